@@ -1,0 +1,11 @@
+"""Fused CUDA loss kernels for PyTorch (see README.md).
+
+Copied into a project as a package (any folder name):
+    import fused_losses                      # fused_losses.cross_entropy(...)
+    from fused_losses import losses, loader
+"""
+from . import loader, losses
+from .losses import (CrossEntropyLoss, KLDivLoss, MSELoss, cross_entropy, kl_div,  # noqa: F401
+                     mse_loss)
+
+__all__ = ["loader", "losses", *losses.__all__]

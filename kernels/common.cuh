@@ -1,0 +1,406 @@
+// common.cuh: device helpers and launchers shared by every loss kernel.
+//
+// Everything here serves a memory-bound loss: 16-byte vector access, fp32 math (fp64
+// for float64 inputs), reductions without float atomics, and 64-bit indexing.
+//
+// Scalar reductions are deterministic to the bit: every block writes one partial sum,
+// then finish_sum_kernel adds the partials in a fixed order. The grid size depends only
+// on the problem size and the GPU, so the same inputs give the same bits run after run.
+//
+// Includes stay within c10/ATen headers that ship with torch: the CUDA toolkit on
+// some machines has no cuBLAS/cuSPARSE headers, which ATen/cuda/CUDAContext.h needs.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+namespace fused_losses {
+
+// Reduction codes; losses.py holds the same table (REDUCTION_CODES).
+enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2, kBatchMean = 3 };
+
+// Loss sums accumulate in double: a per-thread fp32 running sum over millions of
+// terms would lose digits that torch's tree reduction keeps, and one double add per
+// 16-byte pack costs nothing next to the memory traffic.
+using sum_t = double;
+
+constexpr int kMaxThreads = 512;
+
+// ---------------------------------------------------------------------------------
+// Math in the accumulation type (float for half/bfloat16/float, double for double).
+// load_inline defines __CUDA_NO_HALF_OPERATORS__, so half values are converted first.
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t quiet_nan() {
+  return std::numeric_limits<acc_t>::quiet_NaN();
+}
+
+// ---------------------------------------------------------------------------------
+// Vector access: VEC elements moved as one aligned load/store (16 bytes when VEC is
+// 16 / sizeof(T); VEC == 1 is the fallback for misaligned or odd-sized data).
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T val[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* ptr) {
+  return *reinterpret_cast<const Pack<T, VEC>*>(ptr);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* ptr, const Pack<T, VEC>& pack) {
+  *reinterpret_cast<Pack<T, VEC>*>(ptr) = pack;
+}
+
+// Elements per 16-byte vector of T.
+template <typename T>
+constexpr int vec16() {
+  return 16 / sizeof(T);
+}
+
+inline bool is_aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// ---------------------------------------------------------------------------------
+// Reductions. block_allreduce gives every thread the result; blockDim.x must be a
+// multiple of 32 (all launchers here use 32..512 threads).
+
+__device__ __forceinline__ float shfl_xor(float v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+__device__ __forceinline__ double shfl_xor(double v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+__device__ __forceinline__ long long shfl_xor(long long v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+
+template <typename T>
+struct SumOp {
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+template <typename T, typename Combine>
+__device__ __forceinline__ T warp_allreduce(T value, Combine combine) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) value = combine(value, shfl_xor(value, mask));
+  return value;
+}
+
+// `scratch` is shared memory for 32 values. Ends with a barrier, so the same scratch
+// can be used again right away.
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_allreduce(T value, Combine combine, T identity, T* scratch) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int num_warps = blockDim.x / 32;
+  value = warp_allreduce(value, combine);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = lane < num_warps ? scratch[lane] : identity;
+  value = warp_allreduce(value, combine);
+  __syncthreads();
+  return value;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T value, T* scratch) {
+  return block_allreduce(value, SumOp<T>(), T(0), scratch);
+}
+
+// ---------------------------------------------------------------------------------
+// Launch geometry.
+
+inline int multiprocessor_count(int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    cached[device] = count;
+  }
+  return cached[device];
+}
+
+// A grid-stride launch over `work_items` items with `threads` per block: enough blocks
+// to fill every multiprocessor, no more than the work needs.
+inline int64_t grid_for(int64_t work_items, int threads, int device) {
+  const int64_t resident = int64_t(multiprocessor_count(device)) * (2048 / threads);
+  const int64_t needed = (work_items + threads - 1) / threads;
+  return std::max<int64_t>(1, std::min(resident, needed));
+}
+
+// ---------------------------------------------------------------------------------
+// Stage two of every scalar reduction: one block adds the per-block partials in a
+// fixed order and writes the loss. The loss is sum * scale, divided by *count when
+// `count` is given (cross-entropy 'mean' divides by the number of non-ignored targets,
+// known only on the device).
+
+template <typename out_t>
+__global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, double scale,
+                                  const int64_t* count, out_t* loss) {
+  __shared__ sum_t scratch[32];
+  sum_t total = 0;
+  for (int64_t i = threadIdx.x; i < num_partials; i += blockDim.x) total += partials[i];
+  total = block_sum(total, scratch);
+  if (threadIdx.x == 0) {
+    double result = total * scale;
+    if (count != nullptr) result /= double(*count);
+    *loss = static_cast<out_t>(result);
+  }
+}
+
+// Writes sum(partials) * scale [/ *count] into the 0-dim tensor `loss`.
+inline void finish_sum(const at::Tensor& partials, double scale, const int64_t* count,
+                       at::Tensor& loss) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, loss.scalar_type(), "finish_sum", [&] {
+    finish_sum_kernel<scalar_t><<<1, 256, 0, stream>>>(
+        partials.data_ptr<sum_t>(), partials.numel(), scale, count, loss.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Backward of a scalar loss whose gradient the forward already wrote: multiply it by
+// grad_output in place. grad_output is read on the device (no host sync), and when it
+// is exactly 1, the usual loss.backward(), every block returns without touching memory.
+
+template <typename T, int VEC>
+__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output) {
+  using acc_t = at::opmath_type<T>;
+  const acc_t scale = static_cast<acc_t>(*grad_output);
+  if (scale == acc_t(1)) return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t num_packs = n / VEC;
+  for (int64_t p = first; p < num_packs; p += stride) {
+    Pack<T, VEC> pack = load_pack<T, VEC>(grad + p * VEC);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) pack.val[k] = static_cast<T>(static_cast<acc_t>(pack.val[k]) * scale);
+    store_pack<T, VEC>(grad + p * VEC, pack);
+  }
+  for (int64_t i = num_packs * VEC + first; i < n; i += stride) {
+    grad[i] = static_cast<T>(static_cast<acc_t>(grad[i]) * scale);
+  }
+}
+
+// In place: grad *= grad_output (a 0-dim tensor of grad's dtype on grad's device).
+inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
+  TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
+  TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type() &&
+                  grad_output.device() == grad.device(),
+              "grad_output must be one element of grad's dtype on grad's device");
+  if (grad.numel() == 0) return;
+  c10::cuda::CUDAGuard guard(grad.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int threads = 256;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "scale_by_grad_output", [&] {
+    constexpr int VEC = vec16<scalar_t>();
+    const int64_t grid = grid_for(grad.numel() / VEC + 1, threads, grad.get_device());
+    if (is_aligned16(grad.data_ptr())) {
+      scale_by_grad_output_kernel<scalar_t, VEC><<<grid, threads, 0, stream>>>(
+          grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
+    } else {
+      scale_by_grad_output_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(
+          grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Pointwise losses (MSE, KL): loss = reduce(f(input, target)) over n elements.
+//
+// One kernel serves every pass, chosen by which pointers are set:
+//   forward, reduction 'none':   loss_out (per element)
+//   forward, scalar reduction:   partials (+ grad_input / grad_target when grad is
+//                                needed: written here, scaled by grad_scale, so backward
+//                                never reads the inputs again)
+//   backward, reduction 'none':  grad_output (per element) + grad_input / grad_target
+// `Op` computes, in acc_t, the loss term and its derivatives for one element:
+//   op(input, target, &loss, &d_input, &d_target).
+
+struct PointwiseArgs {
+  int64_t n;
+  double grad_scale;  // multiplies every gradient (1/n for 'mean', 1/batch for 'batchmean')
+};
+
+template <typename T>
+struct PointwisePointers {
+  const T* __restrict__ input;
+  const T* __restrict__ target;
+  const T* __restrict__ grad_output;  // per element, or nullptr: scale by grad_scale
+  T* __restrict__ loss_out;           // per element, or nullptr
+  T* __restrict__ grad_input;         // or nullptr
+  T* __restrict__ grad_target;        // or nullptr
+};
+
+// The VEC elements at `offset`, loaded and stored as packs; returns their loss sum.
+template <int VEC, typename T, typename Op>
+__device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePointers<T>& ptr,
+                                                             int64_t offset, at::opmath_type<T> grad_scale,
+                                                             const Op& op) {
+  using acc_t = at::opmath_type<T>;
+  const Pack<T, VEC> in = load_pack<T, VEC>(ptr.input + offset);
+  const Pack<T, VEC> tg = load_pack<T, VEC>(ptr.target + offset);
+  Pack<T, VEC> go;
+  if (ptr.grad_output != nullptr) go = load_pack<T, VEC>(ptr.grad_output + offset);
+  Pack<T, VEC> loss_pack, d_input_pack, d_target_pack;
+  acc_t pack_sum = 0;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    acc_t loss, d_input, d_target;
+    op(static_cast<acc_t>(in.val[k]), static_cast<acc_t>(tg.val[k]), loss, d_input, d_target);
+    const acc_t scale = ptr.grad_output != nullptr ? static_cast<acc_t>(go.val[k]) : grad_scale;
+    pack_sum += loss;
+    loss_pack.val[k] = static_cast<T>(loss);
+    d_input_pack.val[k] = static_cast<T>(d_input * scale);
+    d_target_pack.val[k] = static_cast<T>(d_target * scale);
+  }
+  if (ptr.loss_out != nullptr) store_pack<T, VEC>(ptr.loss_out + offset, loss_pack);
+  if (ptr.grad_input != nullptr) store_pack<T, VEC>(ptr.grad_input + offset, d_input_pack);
+  if (ptr.grad_target != nullptr) store_pack<T, VEC>(ptr.grad_target + offset, d_target_pack);
+  return pack_sum;
+}
+
+// `partials` (one per block) is set for scalar reductions, nullptr otherwise.
+template <typename T, int VEC, typename Op>
+__global__ void __launch_bounds__(256) pointwise_loss_kernel(PointwisePointers<T> ptr, PointwiseArgs args,
+                                                             Op op, sum_t* __restrict__ partials) {
+  using acc_t = at::opmath_type<T>;
+  __shared__ sum_t scratch[32];
+  const acc_t grad_scale = static_cast<acc_t>(args.grad_scale);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t num_packs = args.n / VEC;
+  sum_t thread_sum = 0;
+  for (int64_t p = first; p < num_packs; p += stride) {
+    thread_sum += pointwise_pack<VEC>(ptr, p * VEC, grad_scale, op);
+  }
+  // The last n % VEC elements: the same code, one element at a time.
+  for (int64_t i = num_packs * VEC + first; i < args.n; i += stride) {
+    thread_sum += pointwise_pack<1>(ptr, i, grad_scale, op);
+  }
+  if (partials != nullptr) {
+    const sum_t block_total = block_sum(thread_sum, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
+  }
+}
+
+// Launches pointwise_loss_kernel with 16-byte packs when every pointer allows it.
+template <typename T, typename Op>
+void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, const Op& op,
+                           at::Tensor* partials, int device) {
+  constexpr int VEC = vec16<T>();
+  const int threads = 256;
+  const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) &&
+                         is_aligned16(ptr.grad_output) && is_aligned16(ptr.loss_out) &&
+                         is_aligned16(ptr.grad_input) && is_aligned16(ptr.grad_target);
+  const int64_t grid = grid_for(vector_ok ? args.n / VEC + 1 : args.n, threads, device);
+  sum_t* partials_out = nullptr;
+  if (partials != nullptr) {
+    *partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
+    partials_out = partials->data_ptr<sum_t>();
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (vector_ok) {
+    pointwise_loss_kernel<T, VEC><<<grid, threads, 0, stream>>>(ptr, args, op, partials_out);
+  } else {
+    pointwise_loss_kernel<T, 1><<<grid, threads, 0, stream>>>(ptr, args, op, partials_out);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// `other` (named `other_name` in messages) must match input in device, dtype and shape.
+// losses.py checks all of this with friendlier messages first; this guards direct calls.
+inline void check_matches_input(const at::Tensor& input, const char* other_name, const at::Tensor& other) {
+  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor");
+  TORCH_CHECK(other.device() == input.device(), other_name, " must be on the same device as input");
+  TORCH_CHECK(other.scalar_type() == input.scalar_type(), other_name, " must have the dtype of input");
+  TORCH_CHECK(other.sizes() == input.sizes(), other_name, " must have the shape of input");
+}
+
+inline at::Tensor empty_placeholder(const at::Tensor& like) {
+  return at::empty({0}, like.options());
+}
+
+template <typename T>
+T* data_or_null(at::Tensor& tensor) {
+  return tensor.numel() ? tensor.data_ptr<T>() : nullptr;
+}
+
+// Forward of a pointwise loss. Returns (loss, grad_input, grad_target); a gradient not
+// asked for is an empty placeholder. `scale` is the reduction's factor (1/n for 'mean').
+// For reduction 'none' no gradient is computed here (it needs grad_output): see
+// pointwise_loss_backward.
+template <typename Op>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
+    const at::Tensor& input_arg, const at::Tensor& target_arg, Op op, int64_t reduction, double scale,
+    bool want_grad_input, bool want_grad_target) {
+  check_matches_input(input_arg, "target", target_arg);
+  c10::cuda::CUDAGuard guard(input_arg.device());
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor target = target_arg.contiguous();
+  const bool scalar_loss = reduction != kNone;
+  at::Tensor loss = scalar_loss ? at::empty({}, input.options()) : at::empty_like(input);
+  at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : empty_placeholder(input);
+  at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : empty_placeholder(input);
+  if (input.numel() == 0) return {loss, grad_input, grad_target};  // losses.py sends empty tensors to torch
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
+    const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(), nullptr,
+                                          scalar_loss ? nullptr : loss.data_ptr<scalar_t>(),
+                                          data_or_null<scalar_t>(grad_input), data_or_null<scalar_t>(grad_target)};
+    at::Tensor partials;
+    launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), scale}, op, scalar_loss ? &partials : nullptr,
+                          input.get_device());
+    if (scalar_loss) finish_sum(partials, scale, nullptr, loss);
+  });
+  return {loss, grad_input, grad_target};
+}
+
+// Backward of reduction 'none': grad = d loss_i / d input_i * grad_output_i.
+// Returns (grad_input, grad_target), placeholders where not asked for.
+template <typename Op>
+std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(
+    const at::Tensor& input_arg, const at::Tensor& target_arg, const at::Tensor& grad_output_arg, Op op,
+    bool want_grad_input, bool want_grad_target) {
+  check_matches_input(input_arg, "target", target_arg);
+  check_matches_input(input_arg, "grad_output", grad_output_arg);
+  c10::cuda::CUDAGuard guard(input_arg.device());
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor target = target_arg.contiguous();
+  const at::Tensor grad_output = grad_output_arg.contiguous();
+  at::Tensor grad_input = want_grad_input ? at::empty_like(input) : empty_placeholder(input);
+  at::Tensor grad_target = want_grad_target ? at::empty_like(input) : empty_placeholder(input);
+  if (input.numel() == 0) return {grad_input, grad_target};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
+    const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(),
+                                          grad_output.data_ptr<scalar_t>(), nullptr,
+                                          data_or_null<scalar_t>(grad_input), data_or_null<scalar_t>(grad_target)};
+    launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), 1.0}, op, nullptr, input.get_device());
+  });
+  return {grad_input, grad_target};
+}
+
+}  // namespace fused_losses

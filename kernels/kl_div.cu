@@ -1,0 +1,84 @@
+// kl_div.cu: KL divergence, as F.kl_div(input, target, reduction, log_target), plus
+// log_input=False: input holds probabilities p and the log is taken here, so that
+// kl_div(p, q, 'batchmean', log_input=False) == F.kl_div(torch.log(p), q, 'batchmean')
+// in one kernel.
+//
+// With lp = log p (= input, or log(input) when log_input is false):
+//   log_target false:  loss_i = xlogy(q_i, q_i) - q_i * lp_i
+//   log_target true:   loss_i = exp(t_i) * (t_i - lp_i)            (t = log q)
+// reduced by 'batchmean' (/ input.size(0)), 'mean' (/ n), 'sum' or 'none'.
+//
+// Bytes per element (b = element size): forward 2b (read input, target). Training step
+// with the gradient of input: 3b (the forward writes it; backward only scales it by
+// grad_output, and not at all when that is 1); with the target's gradient too: 4b.
+
+#include "common.cuh"
+
+namespace fused_losses {
+
+// ---------------------------------------------------------------------------------
+// The math of one element. Gradients follow torch's autograd of the composite
+// formula above term by term, so special values (q = 0, p = 0) come out as torch's do.
+
+struct KlDivOp {
+  bool log_input;
+  bool log_target;
+
+  template <typename acc_t>
+  __device__ __forceinline__ void operator()(acc_t input, acc_t target, acc_t& loss, acc_t& d_input,
+                                             acc_t& d_target) const {
+    const acc_t log_p = log_input ? input : log_acc(input);
+    acc_t d_log_p;
+    if (log_target) {
+      const acc_t q = exp_acc(target);
+      loss = q * (target - log_p);
+      d_log_p = -q;
+      d_target = loss + q;
+    } else {
+      const acc_t q = target;
+      // xlogy(q, q) is 0 where q == 0 (unless q is NaN).
+      const acc_t log_q_or_0 = q == acc_t(0) ? acc_t(0) : log_acc(q);
+      loss = q * log_q_or_0 - q * log_p;
+      d_log_p = -q;
+      // torch: d xlogy(q, q) / dq = xlogy(q != 0, q) + q / q, which is NaN at q == 0.
+      d_target = log_q_or_0 + q / q - log_p;
+    }
+    // d / dp = d / d(log p) / p, as autograd through torch.log gives it.
+    d_input = log_input ? d_log_p : d_log_p / input;
+  }
+};
+
+// ---------------------------------------------------------------------------------
+// Host entry points.
+
+// `scale` is the reduction's factor: 1/n for 'mean', 1/input.size(0) for 'batchmean'.
+// Returns (loss, grad_input, grad_target); gradients are written only for a scalar
+// reduction and when asked for, else they are empty placeholders.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target,
+                                                              int64_t reduction, double scale, bool want_grad_input,
+                                                              bool want_grad_target, bool log_input,
+                                                              bool log_target) {
+  return pointwise_loss_forward(input, target, KlDivOp{log_input, log_target}, reduction, scale, want_grad_input,
+                                want_grad_target);
+}
+
+// Backward of reduction 'none'.
+std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, const at::Tensor& target,
+                                                   const at::Tensor& grad_output, bool want_grad_input,
+                                                   bool want_grad_target, bool log_input, bool log_target) {
+  return pointwise_loss_backward(input, target, grad_output, KlDivOp{log_input, log_target}, want_grad_input,
+                                 want_grad_target);
+}
+
+}  // namespace fused_losses
+
+// ---------------------------------------------------------------------------------
+// Bindings: ops in a namespace named after this build (loader.py), so an edited
+// kernel loads beside the old one instead of clashing with it.
+
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &fused_losses::kl_div_forward);
+  m.def("backward", &fused_losses::kl_div_backward);
+  m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",
+        &fused_losses::scale_by_grad_output_);
+}

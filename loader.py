@@ -1,0 +1,341 @@
+"""Builds kernels/<name>.cu at first use and loads it, cached per GPU arch and content.
+
+    ops = load("mse")            # for the current GPU; ops.forward(...), ops.backward(...)
+    reload("mse")                # after editing kernels/mse.cu in a notebook
+    python loader.py --arch 8.0 9.0     # ahead-of-time builds, no GPU needed
+
+Each build is one extension, compiled with torch.utils.cpp_extension.load_inline for one
+GPU arch. Its name carries the arch and a hash of everything that shapes the binary
+(the .cu and the headers it includes, compile flags, torch and CUDA versions, Python
+version), so a new GPU, an edited kernel or a torch upgrade gets a build of its own and
+nothing stale is ever loaded. The kernels register their ops in a torch.ops namespace of
+that same name, so two builds can live in one process.
+
+Builds go under $TORCH_EXTENSIONS_DIR (torch's default cache when unset)/fused_losses.
+A build runs under an OS-level lock (fcntl.flock), released by the kernel when its
+process dies, so a build killed half-way never blocks the next one; a finished build
+leaves a marker, and a cached load is one file check and a dlopen.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+KERNELS = ("cross_entropy", "kl_div", "mse")
+EXTRA_CFLAGS = ["-O3"]
+EXTRA_CUDA_CFLAGS = ["-O3", "-lineinfo"]
+BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
+
+_loaded: dict[tuple[str, str], object] = {}  # (kernel name, arch) -> torch.ops namespace
+_loaded_for_device: dict[tuple[str, int], object] = {}  # (kernel name, device index) -> the same
+_toolkit_checked = False
+
+
+class BuildError(RuntimeError):
+    """A kernel could not be built; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------
+# What a build is: sources, arch, cache key.
+
+def kernel_sources(name: str) -> dict[str, str]:
+    """kernels/<name>.cu and every kernels/ header it includes (recursively), by file name."""
+    path = KERNEL_DIR / f"{name}.cu"
+    if not path.is_file():
+        raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
+    sources: dict[str, str] = {}
+    pending = [path]
+    while pending:
+        file = pending.pop()
+        if file.name in sources:
+            continue
+        text = file.read_text()
+        sources[file.name] = text
+        for included in re.findall(r'^\s*#\s*include\s*"([^"]+)"', text, flags=re.M):
+            header = KERNEL_DIR / included
+            if header.is_file():
+                pending.append(header)
+    return sources
+
+
+def normalize_arch(arch: str) -> str:
+    """'8.0', '80', 'sm_80' -> '8.0'; '9.0a' keeps its suffix."""
+    match = re.fullmatch(r"(?:sm_?)?(\d+)\.?(\d)(a?)", str(arch).strip().lower())
+    if not match:
+        raise ValueError(f"arch must look like '8.0' or '9.0a', got {arch!r}")
+    major, minor, suffix = match.groups()
+    return f"{int(major)}.{minor}{suffix}"
+
+
+def device_arch(device: torch.device | int | None = None) -> str:
+    """The compute capability of a CUDA device as '9.0'."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}.{minor}"
+
+
+def gencode_flag(arch: str) -> str:
+    digits = arch.replace(".", "")
+    return f"-gencode=arch=compute_{digits},code=sm_{digits}"
+
+
+def cache_key(sources: dict[str, str], arch: str, cflags=EXTRA_CFLAGS, cuda_cflags=EXTRA_CUDA_CFLAGS) -> str:
+    digest = hashlib.sha256()
+    for part in (
+        *(f"{file}\0{text}" for file, text in sorted(sources.items())),
+        arch, " ".join(cflags), " ".join(cuda_cflags),
+        torch.__version__, str(torch.version.cuda), f"py{sys.version_info[0]}{sys.version_info[1]}",
+    ):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def extension_name(name: str, arch: str, key: str) -> str:
+    return f"fused_losses_{name}_sm{arch.replace('.', '')}_{key}"
+
+
+def cache_root() -> Path:
+    """$TORCH_EXTENSIONS_DIR/fused_losses, else torch's default cache (~/.cache/torch_extensions)."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not base:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "torch_extensions"
+    return Path(base) / "fused_losses"
+
+
+# ----------------------------------------------------------------------------------
+# The toolchain: checked once per process, before the first build.
+
+def _cpp_extension():
+    """torch.utils.cpp_extension, imported on first build only (it imports setuptools)."""
+    import torch.utils.cpp_extension as cpp_extension
+    return cpp_extension
+
+
+def _nvcc_release(nvcc: Path) -> str | None:
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+DEBIAN_TOOLKIT = Path("/usr/lib/nvidia-cuda-toolkit")
+
+
+def _has_cudart(home: Path) -> bool:
+    """cuda_runtime.h and libcudart.so inside the toolkit (Debian's package keeps them in
+    the system directories instead; only for that toolkit do those count)."""
+    libs = [home / "lib64", home / "lib", home / "targets" / "x86_64-linux" / "lib"]
+    headers = [home / "include", home / "targets" / "x86_64-linux" / "include"]
+    if home == DEBIAN_TOOLKIT:
+        libs.append(Path("/usr/lib/x86_64-linux-gnu"))
+        headers.append(Path("/usr/include"))
+    return (any((lib / "libcudart.so").exists() for lib in libs)
+            and any((inc / "cuda_runtime.h").exists() for inc in headers))
+
+
+def find_cuda_home() -> Path:
+    """A CUDA toolkit whose nvcc matches torch's CUDA major version.
+
+    $CUDA_HOME (or $CUDA_PATH) wins when set. Otherwise the candidates are torch's own
+    guess (which on some machines is /usr/local, from a wrapper nvcc in /usr/local/bin,
+    with no libcudart), /usr/local/cuda, /usr/local/cuda-<torch's version>, the directory
+    of the nvcc on PATH followed through links, and Debian's /usr/lib/nvidia-cuda-toolkit.
+    """
+    want_major = torch.version.cuda.split(".")[0]
+    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        candidates = []
+        guessed = _cpp_extension().CUDA_HOME
+        if guessed:
+            candidates.append(Path(guessed))
+        candidates += [Path("/usr/local/cuda"), Path(f"/usr/local/cuda-{torch.version.cuda}")]
+        on_path = shutil.which("nvcc")
+        if on_path:
+            candidates.append(Path(on_path).resolve().parent.parent)
+        candidates.append(DEBIAN_TOOLKIT)
+
+    seen = []
+    for home in dict.fromkeys(candidates):
+        nvcc = home / "bin" / "nvcc"
+        if not nvcc.is_file():
+            continue
+        release = _nvcc_release(nvcc)
+        if release is None or not _has_cudart(home):
+            seen.append(f"{home} (nvcc there does not run, or no libcudart.so / cuda_runtime.h)")
+            continue
+        if release.split(".")[0] != want_major:
+            seen.append(f"{home} (nvcc {release})")
+            continue
+        return home
+
+    where = "; ".join(seen) if seen else "none found"
+    if explicit:
+        raise BuildError(
+            f"CUDA_HOME={explicit} is not a usable CUDA {want_major}.x toolkit ({where}). "
+            f"torch {torch.__version__} was built with CUDA {torch.version.cuda}: point CUDA_HOME at a "
+            f"CUDA {want_major}.x toolkit (the directory holding bin/nvcc).")
+    raise BuildError(
+        f"no CUDA {want_major}.x toolkit found to compile the kernels (torch {torch.__version__} was built "
+        f"with CUDA {torch.version.cuda}; toolkits seen: {where}). Install the CUDA {want_major}.x toolkit "
+        f"(nvcc) and set CUDA_HOME to it, e.g. CUDA_HOME=/usr/local/cuda.")
+
+
+def check_toolchain() -> None:
+    """Raises BuildError naming what is missing: CUDA torch, ninja, a matching nvcc."""
+    global _toolkit_checked
+    if _toolkit_checked:
+        return
+    if torch.version.cuda is None:
+        raise BuildError(
+            f"torch {torch.__version__} is a CPU-only build, so the CUDA kernels cannot be built. "
+            "Install a CUDA build of torch (see https://pytorch.org/get-started/locally/); on CPU "
+            "tensors the losses use torch's own implementation and need no build.")
+    if shutil.which("ninja") is None:
+        # A venv's ninja is in its bin/, which is not on PATH unless the venv is activated.
+        try:
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            raise BuildError("ninja is needed to build the kernels: pip install ninja") from None
+    home = find_cuda_home()
+    # torch reads its module-level CUDA_HOME for nvcc, include and library paths.
+    _cpp_extension().CUDA_HOME = str(home)
+    os.environ["CUDA_HOME"] = str(home)
+    _toolkit_checked = True
+
+
+# ----------------------------------------------------------------------------------
+# Building and loading.
+
+def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[str, str], verbose: bool):
+    check_toolchain()
+    # torch < 2.1 guards its build directory with a lock *file* whose mere existence
+    # blocks; a build killed mid-way leaves it behind. We hold our own flock, so any
+    # such file is stale.
+    (build_dir / "lock").unlink(missing_ok=True)
+    started = time.perf_counter()
+    try:
+        _cpp_extension().load_inline(
+            name=ext_name,
+            cpp_sources=[],
+            cuda_sources=[sources[f"{name}.cu"]],
+            extra_cflags=EXTRA_CFLAGS,
+            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + [gencode_flag(arch)],
+            extra_include_paths=[str(KERNEL_DIR)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as error:  # load_inline raises RuntimeError with the compiler's output
+        raise BuildError(f"building kernel {name!r} for sm_{arch.replace('.', '')} in {build_dir} "
+                         f"failed:\n{error}") from None
+    seconds = time.perf_counter() - started
+    (build_dir / BUILD_OK).write_text(f"{ext_name}\n")
+    print(f"fused_losses: built {name} for sm_{arch.replace('.', '')} in {seconds:.1f} s -> {build_dir}",
+          file=sys.stderr, flush=True)
+
+
+def _open_build(name: str, arch: str, verbose: bool = False):
+    """Loads the build of `name` for `arch`, building it first if needed."""
+    sources = kernel_sources(name)
+    ext_name = extension_name(name, arch, cache_key(sources, arch))
+    root = cache_root()
+    build_dir = root / ext_name
+    library = build_dir / f"{ext_name}.so"
+
+    def built() -> bool:
+        return (build_dir / BUILD_OK).is_file() and library.is_file()
+
+    if not built():
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            lock_file = open(root / f"{ext_name}.lock", "a")
+        except OSError as error:
+            raise BuildError(f"cannot write the kernel cache at {root} ({error.strerror}); set "
+                             "TORCH_EXTENSIONS_DIR to a writable directory with a few hundred MB free") from None
+        with lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes or the process dies
+            if not built():  # another process may have built it meanwhile
+                _build(name, arch, ext_name, build_dir, sources, verbose)
+    torch.ops.load_library(str(library))
+    return getattr(torch.ops, ext_name)
+
+
+def load(name: str, arch: str | None = None, verbose: bool = False):
+    """The ops of kernel `name` for `arch` (default: the current CUDA device's).
+
+    First use builds (one line on stderr says where and how long); later calls in the
+    process return the same namespace at once.
+    """
+    if arch is None:
+        if not torch.cuda.is_available():
+            raise BuildError(
+                f"no CUDA device is visible, so there is no GPU arch to build {name!r} for. "
+                "Pass arch (e.g. load(name, arch='9.0'), or python loader.py --arch 8.0 9.0) "
+                "to build ahead of time without a GPU.")
+        arch = device_arch()
+    arch = normalize_arch(arch)
+    ops = _loaded.get((name, arch))
+    if ops is None:
+        ops = _loaded[(name, arch)] = _open_build(name, arch, verbose)
+    return ops
+
+
+def load_for_device(name: str, device: torch.device):
+    """load(name) for the arch of a CUDA device; the hot path of every loss call."""
+    ops = _loaded_for_device.get((name, device.index))
+    if ops is None:
+        ops = _loaded_for_device[(name, device.index)] = load(name, device_arch(device))
+    return ops
+
+
+def reload(name: str | None = None) -> None:
+    """Forgets loaded builds of `name` (or of every kernel), so the next load re-reads
+    the sources: an edited kernel gets a new build, used from then on."""
+    for cache in (_loaded, _loaded_for_device):
+        for key in [key for key in cache if name is None or key[0] == name]:
+            del cache[key]
+
+
+def build(archs, names=KERNELS, verbose: bool = False) -> list[str]:
+    """Ahead-of-time builds of `names` for each arch in `archs`; no GPU needed."""
+    built = []
+    for arch in archs:
+        for name in names:
+            load(name, arch=arch, verbose=verbose)
+            built.append(f"{name} sm_{normalize_arch(arch).replace('.', '')}")
+    return built
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Build the fused loss kernels ahead of time (no GPU needed).")
+    parser.add_argument("--arch", nargs="+", required=True, help="GPU archs, e.g. 8.0 9.0")
+    parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    args = parser.parse_args(argv)
+    try:
+        built = build(args.arch, args.kernel, verbose=args.verbose)
+    except (BuildError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"built or found in {cache_root()}: {', '.join(built)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

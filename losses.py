@@ -1,0 +1,308 @@
+"""Fused CUDA losses with torch.nn.functional's signatures and results.
+
+    from losses import cross_entropy, kl_div, mse_loss          # functional
+    from losses import CrossEntropyLoss, KLDivLoss, MSELoss     # modules
+
+On CUDA tensors each loss runs one fused kernel (kernels/<loss>.cu, built on first use
+by loader.py). When grad is needed and the reduction is a scalar, that kernel also
+writes the gradient, so backward only scales it by grad_output (read on the GPU; no
+host sync anywhere).
+
+CPU tensors, and argument combinations the kernels do not cover yet, run
+torch.nn.functional itself: same results. Set FUSED_LOSSES_STRICT=1 to make such a
+fallback on a CUDA tensor raise instead (the GPU tests do, to prove the kernels ran).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import _reduction
+
+if __package__:  # copied into a project as a package: from fused_losses import losses
+    from . import loader
+else:  # a plain folder on sys.path, or a notebook's working directory: import losses
+    import loader
+
+__all__ = ["cross_entropy", "kl_div", "mse_loss", "CrossEntropyLoss", "KLDivLoss", "MSELoss"]
+
+# Same codes as enum Reduction in kernels/common.cuh.
+REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2, "batchmean": 3}
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ----------------------------------------------------------------------------------
+# Shared plumbing.
+
+def _ops(kernel: str, device: torch.device):
+    return loader.load_for_device(kernel, device)
+
+
+def _check_reduction(reduction: str, allowed) -> None:
+    if reduction not in allowed:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, allowed))}, got {reduction!r}")
+
+
+def _legacy_reduction(size_average, reduce, reduction: str) -> str:
+    """torch's deprecated size_average/reduce arguments, mapped as torch maps them."""
+    if size_average is not None or reduce is not None:
+        return _reduction.legacy_get_string(size_average, reduce)
+    return reduction
+
+
+def _check_same_device(input: torch.Tensor, **others) -> None:
+    for name, other in others.items():
+        if isinstance(other, torch.Tensor) and other.device != input.device:
+            raise ValueError(f"{name} is on {other.device} but input is on {input.device}; "
+                             f"move both to one device")
+
+
+def _check_fallback_allowed(loss: str, why: str, input: torch.Tensor) -> None:
+    """Before running torch's implementation: raises on a CUDA tensor in strict mode."""
+    if input.is_cuda and os.environ.get("FUSED_LOSSES_STRICT") == "1":
+        raise RuntimeError(f"{loss}: {why}, so the fused kernel does not run here "
+                           "(FUSED_LOSSES_STRICT=1 forbids torch fallbacks on CUDA tensors)")
+
+
+def _wants_grad(tensor: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
+def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
+    """Backward of a scalar loss whose forward wrote the gradients: scale them in place
+    by grad_output on the GPU (a no-op there when it is 1) and hand them to autograd.
+    They are held by save_for_backward, which autograd releases before it accumulates,
+    so they become .grad without a copy."""
+    if ctx.grads_consumed:
+        raise RuntimeError("this fused loss computed its gradient in the forward pass and has already "
+                           "used it: backward through it twice (retain_graph=True) is not supported")
+    ctx.grads_consumed = True
+    grads = ctx.saved_tensors
+    scale = grad_output.detach().reshape(()).to(grads[0].dtype if grads[0] is not None else grads[1].dtype)
+    for grad in grads:
+        if grad is not None:
+            ctx.ops.scale_by_grad_output_(grad, scale)
+    return grads
+
+
+# ----------------------------------------------------------------------------------
+# Pointwise losses (MSE and KL share one Function: only their kernels' math differs).
+
+class _PointwiseLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, target, kernel, reduction, scale, op_args, want_grad_input, want_grad_target):
+        ops = _ops(kernel, input.device)
+        loss, grad_input, grad_target = ops.forward(
+            input, target, REDUCTION_CODES[reduction], scale, want_grad_input, want_grad_target, *op_args)
+        ctx.ops, ctx.reduction, ctx.op_args = ops, reduction, op_args
+        ctx.want_grads = (want_grad_input, want_grad_target)
+        ctx.grads_consumed = False
+        if reduction == "none":
+            ctx.save_for_backward(input, target)
+        else:
+            ctx.save_for_backward(grad_input if want_grad_input else None,
+                                  grad_target if want_grad_target else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.reduction == "none":
+            input, target = ctx.saved_tensors
+            grad_input, grad_target = ctx.ops.backward(
+                input, target, grad_output.contiguous(), *ctx.want_grads, *ctx.op_args)
+            grad_input = grad_input if ctx.want_grads[0] else None
+            grad_target = grad_target if ctx.want_grads[1] else None
+        else:
+            grad_input, grad_target = _backward_from_saved_grads(ctx, grad_output)
+        return grad_input, grad_target, None, None, None, None, None, None
+
+
+def _pointwise_fusable(input: torch.Tensor, target: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot take these tensors, or None when it can."""
+    if not (input.is_cuda and target.is_cuda):
+        return "CPU tensors"
+    if input.shape != target.shape:
+        return f"input {tuple(input.shape)} and target {tuple(target.shape)} differ in shape (broadcasting)"
+    if input.dtype != target.dtype:
+        return f"input is {input.dtype} but target is {target.dtype}"
+    if input.dtype not in FUSED_DTYPES:
+        return f"dtype {input.dtype} has no kernel"
+    if input.numel() == 0:
+        return "empty tensors"
+    return None
+
+
+def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
+    return _PointwiseLossFunction.apply(input, target, kernel, reduction, scale, tuple(op_args),
+                                        _wants_grad(input), _wants_grad(target))
+
+
+# ----------------------------------------------------------------------------------
+# KL divergence.
+
+# torch's own words (F.kl_div), so that filters written for torch's warning still match.
+KL_MEAN_WARNING = (
+    "reduction: 'mean' divides the total loss by both the batch size and the support size."
+    "'batchmean' divides only by the batch size, and aligns with the KL div math definition."
+    "'mean' will be changed to behave the same as 'batchmean' in the next major release.")
+
+def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=None, reduction: str = "mean",
+           log_target: bool = False, *, log_input: bool = True) -> torch.Tensor:
+    """F.kl_div(input, target, ...), plus log_input.
+
+    log_input=True (torch's convention): input holds log-probabilities.
+    log_input=False: input holds probabilities p and the log is taken inside the kernel:
+    kl_div(p, q, reduction='batchmean', log_input=False) == F.kl_div(torch.log(p), q,
+    reduction='batchmean').
+    """
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    _check_reduction(reduction, ("none", "batchmean", "mean", "sum"))
+    _check_same_device(input, target=target)
+    why_not = _pointwise_fusable(input, target)
+    if why_not is None:
+        if reduction == "mean":
+            warnings.warn(KL_MEAN_WARNING, stacklevel=2)
+            scale = 1.0 / input.numel()
+        elif reduction == "batchmean" and input.dim() != 0:
+            scale = 1.0 / input.shape[0]
+        else:
+            scale = 1.0
+        return _pointwise_loss("kl_div", input, target, reduction, scale, (log_input, log_target))
+    _check_fallback_allowed("kl_div", why_not, input)
+    return F.kl_div(input if log_input else torch.log(input), target, reduction=reduction, log_target=log_target)
+
+
+class KLDivLoss(nn.KLDivLoss):
+    """nn.KLDivLoss on the fused kernel; log_input=False takes probabilities (see kl_div)."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean", log_target: bool = False,
+                 *, log_input: bool = True) -> None:
+        super().__init__(size_average, reduce, reduction, log_target)
+        self.log_input = log_input
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return kl_div(input, target, reduction=self.reduction, log_target=self.log_target,
+                      log_input=self.log_input)
+
+
+# ----------------------------------------------------------------------------------
+# Mean squared error.
+
+def mse_loss(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=None, reduction: str = "mean",
+             weight: torch.Tensor | None = None) -> torch.Tensor:
+    """F.mse_loss(input, target, ...). `weight` (torch 2.6+) runs torch's implementation."""
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    _check_reduction(reduction, ("none", "mean", "sum"))
+    _check_same_device(input, target=target, weight=weight)
+    why_not = "weight is not fused yet" if weight is not None else _pointwise_fusable(input, target)
+    if why_not is None:
+        scale = 1.0 / input.numel() if reduction == "mean" else 1.0
+        return _pointwise_loss("mse", input, target, reduction, scale, ())
+    _check_fallback_allowed("mse_loss", why_not, input)
+    if weight is not None:
+        return F.mse_loss(input, target, reduction=reduction, weight=weight)
+    return F.mse_loss(input, target, reduction=reduction)
+
+
+class MSELoss(nn.MSELoss):
+    """nn.MSELoss on the fused kernel."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mse_loss(input, target, reduction=self.reduction)
+
+
+# ----------------------------------------------------------------------------------
+# Cross-entropy.
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """(N, C) logits, (N,) class indices."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, want_grad):
+        ops = _ops("cross_entropy", logits.device)
+        loss, grad_logits, lse = ops.forward(logits, target, ignore_index, REDUCTION_CODES[reduction], want_grad)
+        ctx.ops, ctx.reduction, ctx.ignore_index = ops, reduction, ignore_index
+        ctx.grads_consumed = False
+        if reduction == "none":
+            ctx.save_for_backward(logits, target, lse)
+        else:
+            ctx.save_for_backward(grad_logits if want_grad else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.reduction == "none":
+            logits, target, lse = ctx.saved_tensors
+            grad_logits = ctx.ops.backward(logits, target, lse, grad_output.contiguous(), ctx.ignore_index)
+        else:
+            (grad_logits,) = _backward_from_saved_grads(ctx, grad_output)
+        return grad_logits, None, None, None, None
+
+
+def _cross_entropy_fusable(input, target, weight, label_smoothing) -> str | None:
+    if not input.is_cuda:
+        return "CPU tensors"
+    if input.dtype not in FUSED_DTYPES:
+        return f"dtype {input.dtype} has no kernel"
+    if target.dtype not in (torch.int64, torch.int32):
+        return f"target of dtype {target.dtype} (class probabilities) is not fused yet"
+    if weight is not None:
+        return "weight is not fused yet"
+    if label_smoothing != 0.0:
+        return "label_smoothing is not fused yet"
+    if input.numel() == 0:
+        return "empty tensors"
+    return None
+
+
+def _check_class_index_target(input: torch.Tensor, target: torch.Tensor) -> None:
+    if target.is_floating_point():
+        return  # class probabilities: torch checks them
+    expected = (input.shape[0],) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
+    if tuple(target.shape) != expected:
+        raise ValueError(f"target must have shape {expected} for input of shape {tuple(input.shape)} "
+                         f"(class dim 1), got {tuple(target.shape)}")
+
+
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  size_average=None, ignore_index: int = -100, reduce=None, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> torch.Tensor:
+    """F.cross_entropy(input, target, ...). Input (C), (N, C) or (N, C, d1, ...), classes
+    in dim 1 as in torch. Fused: class-index targets (int64/int32), ignore_index, every
+    reduction. weight, label_smoothing and class-probability targets run torch's
+    implementation for now. A target index outside [0, C) (other than ignore_index)
+    gives NaN for its row where torch would stop with a device-side assert."""
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    _check_reduction(reduction, ("none", "mean", "sum"))
+    if input.dim() == 0:
+        raise ValueError("input must have at least 1 dimension (the classes), got a 0-dim tensor")
+    _check_same_device(input, target=target, weight=weight)
+    _check_class_index_target(input, target)
+    why_not = _cross_entropy_fusable(input, target, weight, label_smoothing)
+    if why_not is not None:
+        _check_fallback_allowed("cross_entropy", why_not, input)
+        return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    # The kernel takes rows of classes: (C) -> (1, C); (N, C, d...) -> (N * d..., C).
+    # The movedim copy is autograd-tracked, so the gradient flows back to the original layout.
+    loss_shape = target.shape
+    if input.dim() == 1:
+        logits, rows_target = input.unsqueeze(0), target.reshape(1)
+    elif input.dim() == 2:
+        logits, rows_target = input, target
+    else:
+        logits = input.movedim(1, -1).reshape(-1, input.shape[1])
+        rows_target = target.reshape(-1)
+    loss = _CrossEntropyFunction.apply(logits, rows_target, int(ignore_index), reduction, _wants_grad(input))
+    return loss.reshape(loss_shape) if reduction == "none" else loss
+
+
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """nn.CrossEntropyLoss on the fused kernel (see cross_entropy for what is fused)."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                             reduction=self.reduction, label_smoothing=self.label_smoothing)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole GPU check in one go, for a machine with a CUDA GPU and torch/ninja/pytest
+# installed: build every kernel for this GPU (in parallel), run the full test suite,
+# then the benchmark. Logs go to $OUT (or ./gpu_suite_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_suite_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+
+# Builds for this GPU, one process per kernel (each holds its own lock).
+start=$(date +%s)
+for kernel in cross_entropy kl_div mse; do
+  python3 loader.py --arch "$arch" --kernel "$kernel" > "$OUT/build_$kernel.log" 2>&1 &
+done
+wait
+echo "builds: $(( $(date +%s) - start )) s"; cat "$OUT"/build_*.log | grep -v Warning
+
+FUSED_LOSSES_BUILD_ARCHS="$arch" python3 -m pytest -q -p no:cacheprovider "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -n 60
+test_status=${PIPESTATUS[0]}
+if [ -f bench.py ] && [ -z "${SKIP_BENCH:-}" ]; then
+  python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+fi
+exit "$test_status"

@@ -1,0 +1,89 @@
+"""The one test pattern all three losses share.
+
+check_against_float64 runs a loss three ways on the same inputs: torch on float64
+copies (the truth), torch eager in the dtype under test, and ours; then checks that
+our loss and every gradient are no further from the truth than torch's own eager
+result, or within a floor of a couple of rounding steps of the dtype (FLOOR).
+Our outputs land in memory poisoned with NaN first, so an element the kernel did not
+write shows up as an error.
+"""
+import math
+
+import torch
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+# Relative error ||ours - truth|| / ||truth|| that always passes: two units of
+# rounding in the dtype, the most an output rounded to that dtype can be off by.
+FLOOR = {
+    torch.float64: 1e-12,
+    torch.float32: 2.5e-7,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+_CHUNK = 1 << 26
+
+
+def rel_err(value: torch.Tensor, truth: torch.Tensor) -> float:
+    """||value - truth|| / ||truth||, in float64, chunked so huge tensors fit."""
+    value, truth = value.detach().reshape(-1), truth.detach().reshape(-1)
+    assert value.numel() == truth.numel()
+    diff_sq = truth_sq = 0.0
+    for start in range(0, value.numel(), _CHUNK):
+        v = value[start:start + _CHUNK].double()
+        t = truth[start:start + _CHUNK].double()
+        diff_sq += (v - t).pow(2).sum().item()
+        truth_sq += t.pow(2).sum().item()
+    return math.sqrt(diff_sq) / math.sqrt(truth_sq) if truth_sq > 0 else math.sqrt(diff_sq)
+
+
+def poison_allocator(*tensors_like):
+    """Fill the caching allocator's next blocks of these sizes with NaN, so outputs
+    allocated right after start out as NaN rather than stale, plausible values."""
+    blocks = [torch.full_like(t, float("nan")) for t in tensors_like]
+    del blocks
+
+
+def _run(loss_fn, inputs, grad_of, grad_output):
+    leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
+    loss = loss_fn(*leaves)
+    loss.backward(grad_output.to(loss.dtype).reshape(loss.shape))
+    return loss.detach(), [leaves[i].grad for i in grad_of]
+
+
+def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=None, case=""):
+    """fused(*inputs) vs reference(*inputs) (a torch.nn.functional formula).
+
+    inputs: tensors in the dtype under test (integer ones, like class indices, are
+    passed as they are). grad_of: indices of inputs that get gradients. grad_output:
+    what backward starts from (default 1 for a scalar loss, random for 'none').
+    """
+    dtype = inputs[0].dtype
+    as_float64 = [t.double() if t.is_floating_point() else t for t in inputs]
+    with torch.no_grad():
+        probe = reference(*as_float64)
+    if grad_output is None:
+        grad_output = torch.ones(()) if probe.dim() == 0 else torch.rand_like(probe) + 0.5
+    grad_output = grad_output.to(inputs[0].device)
+    del probe
+
+    truth_loss, truth_grads = _run(reference, as_float64, grad_of, grad_output.double())
+    del as_float64
+    eager_loss, eager_grads = _run(reference, inputs, grad_of, grad_output)
+    eager_errors = [rel_err(eager_loss, truth_loss)] + [rel_err(g, t) for g, t in zip(eager_grads, truth_grads)]
+    del eager_grads
+
+    poison_allocator(*(inputs[i] for i in grad_of), eager_loss)
+    ours_loss, ours_grads = _run(fused, inputs, grad_of, grad_output)
+    assert ours_loss.dtype == eager_loss.dtype and ours_loss.shape == eager_loss.shape, case
+    for grad, i in zip(ours_grads, grad_of):
+        assert grad is not None and grad.shape == inputs[i].shape and grad.dtype == inputs[i].dtype, case
+    ours_errors = [rel_err(ours_loss, truth_loss)] + [rel_err(g, t) for g, t in zip(ours_grads, truth_grads)]
+
+    names = ["loss"] + [f"grad of input {i}" for i in grad_of]
+    for name, ours, eager in zip(names, ours_errors, eager_errors):
+        bound = max(eager, FLOOR[dtype])
+        assert ours <= bound, (f"{case} {dtype}: {name} relative error {ours:.3g} vs float64 exceeds "
+                               f"max(torch eager's {eager:.3g}, floor {FLOOR[dtype]:.3g})")
+    return ours_errors, eager_errors

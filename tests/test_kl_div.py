@@ -1,0 +1,134 @@
+"""kl_div / KLDivLoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import losses
+from helpers import DTYPES, check_against_float64
+
+REDUCTIONS = ["batchmean", "mean", "sum", "none"]
+
+
+def reference(input, target, reduction="batchmean", log_target=False, log_input=True):
+    """What users write today; for log_input=False that is F.kl_div(torch.log(p), q, ...)."""
+    return F.kl_div(input if log_input else torch.log(input), target, reduction=reduction, log_target=log_target)
+
+
+def probabilities(*shape, device="cpu", dtype=torch.float32):
+    """Rows of a random distribution along the last dim (a 0-dim tensor holds 1)."""
+    logits = torch.randn(*shape, device=device)
+    return (logits.softmax(-1) if logits.dim() else torch.ones((), device=device)).to(dtype)
+
+
+def make_pair(shape_fn, log_input, log_target):
+    """input (p, or log p) and target (q, or log q) from one shape function."""
+    p, q = shape_fn(), shape_fn()
+    return [p if not log_input else p.log(), q if not log_target else q.log()]
+
+
+# ----------------------------------------------------------------------------------
+# CPU (runs everywhere, CI included).
+
+@pytest.mark.parametrize("log_input", [True, False])
+@pytest.mark.parametrize("log_target", [False, True])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+def test_cpu_matches_torch(reduction, log_target, log_input):
+    input, target = make_pair(lambda: probabilities(6, 5), log_input, log_target)
+    input.requires_grad_()
+    ours = losses.kl_div(input, target, reduction=reduction, log_target=log_target, log_input=log_input)
+    torch.testing.assert_close(ours, reference(input, target, reduction, log_target, log_input))
+    ours.sum().backward()
+    assert input.grad is not None
+
+
+def test_mean_warns_like_torch():
+    p, q = probabilities(3, 4).log(), probabilities(3, 4)
+    with pytest.warns(UserWarning, match="'mean' divides the total loss by both"):
+        losses.kl_div(p, q, reduction="mean")
+
+
+def test_module_matches_torch():
+    p, q = probabilities(4, 3), probabilities(4, 3)
+    torch.testing.assert_close(losses.KLDivLoss(reduction="batchmean")(p.log(), q),
+                               torch.nn.KLDivLoss(reduction="batchmean")(p.log(), q))
+    torch.testing.assert_close(losses.KLDivLoss(reduction="batchmean", log_input=False)(p, q),
+                               torch.nn.KLDivLoss(reduction="batchmean")(p.log(), q))
+    torch.testing.assert_close(losses.KLDivLoss(reduce=False)(p.log(), q), torch.nn.KLDivLoss(reduce=False)(p.log(), q))
+
+
+def test_bad_arguments_raise_clear_errors():
+    p = probabilities(3, 4)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        losses.kl_div(p, p, reduction="average")
+    with pytest.raises(ValueError, match="target is on meta"):
+        losses.kl_div(p, torch.empty(3, 4, device="meta"))
+
+
+# ----------------------------------------------------------------------------------
+# GPU: the fused kernel against torch in float64.
+
+# Each case hits one regime of the kernel. Built on the GPU, so views stay views.
+SHAPES = {
+    "one row, odd length (vector body + scalar tail)": lambda dtype: probabilities(1, 4099, device="cuda", dtype=dtype),
+    "7x1000": lambda dtype: probabilities(7, 1000, device="cuda", dtype=dtype),
+    "3-D batch": lambda dtype: probabilities(4, 33, 77, device="cuda", dtype=dtype),
+    "non-contiguous view (stride 2)": lambda dtype: probabilities(64, 260, device="cuda", dtype=dtype)[:, ::2],
+    "misaligned view (no 16-byte vectors)":
+        lambda dtype: probabilities(3, 1001, device="cuda", dtype=dtype).view(-1)[1:3001].view(2, 1500),
+    "single element": lambda dtype: probabilities(device="cuda", dtype=dtype),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log_input", [True, False], ids=["log_input", "probability_input"])
+@pytest.mark.parametrize("log_target", [False, True], ids=["prob_target", "log_target"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SHAPES))
+@pytest.mark.filterwarnings("ignore:reduction. 'mean' divides")
+def test_matches_float64(case, dtype, reduction, log_target, log_input):
+    inputs = make_pair(lambda: SHAPES[case](dtype), log_input, log_target)
+    check_against_float64(
+        lambda i, t: losses.kl_div(i, t, reduction=reduction, log_target=log_target, log_input=log_input),
+        lambda i, t: reference(i, t, reduction, log_target, log_input), inputs, grad_of=(0, 1), case=case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_of", [(0,), (1,), (0, 1)], ids=["input", "target", "both"])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_grad_output_not_one(reduction, grad_of):
+    """loss * 2.5 before backward: the gradients written in forward must be scaled."""
+    inputs = make_pair(lambda: SHAPES["7x1000"](torch.float32), False, False)
+    check_against_float64(lambda p, q: losses.kl_div(p, q, reduction=reduction, log_input=False) * 2.5,
+                          lambda p, q: reference(p, q, reduction, log_input=False) * 2.5, inputs, grad_of=grad_of)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_seed_shape(dtype):
+    """The seeds' workload: F.kl_div(torch.log(p), q, 'batchmean') on 16384 x 16384."""
+    inputs = [probabilities(16384, 16384, device="cuda", dtype=dtype) for _ in range(2)]
+    check_against_float64(lambda p, q: losses.kl_div(p, q, reduction="batchmean", log_input=False),
+                          lambda p, q: reference(p, q, "batchmean", log_input=False), inputs, grad_of=(0,),
+                          case="16384x16384")
+
+
+@pytest.mark.gpu
+def test_deterministic():
+    p, q = make_pair(lambda: SHAPES["3-D batch"](torch.float32), False, False)
+    p.requires_grad_()
+    first = losses.kl_div(p, q, reduction="batchmean", log_input=False)
+    first.backward()
+    first_grad = p.grad.clone()
+    for _ in range(5):
+        p.grad = None
+        again = losses.kl_div(p, q, reduction="batchmean", log_input=False)
+        again.backward()
+        assert torch.equal(again, first) and torch.equal(p.grad, first_grad)
+
+
+@pytest.mark.gpu
+def test_mean_warns_on_the_fused_path_too():
+    p, q = probabilities(3, 4, device="cuda").log(), probabilities(3, 4, device="cuda")
+    with pytest.warns(UserWarning, match="'mean' divides the total loss by both"):
+        losses.kl_div(p, q, reduction="mean")

@@ -1,0 +1,114 @@
+"""mse_loss / MSELoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import losses
+from helpers import DTYPES, check_against_float64
+
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def reference(input, target, reduction="mean"):
+    return F.mse_loss(input, target, reduction=reduction)
+
+
+# ----------------------------------------------------------------------------------
+# CPU (runs everywhere, CI included).
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cpu_matches_torch(reduction):
+    x, y = torch.randn(5, 7, requires_grad=True), torch.randn(5, 7, requires_grad=True)
+    ours = losses.mse_loss(x, y, reduction=reduction)
+    torch.testing.assert_close(ours, F.mse_loss(x, y, reduction=reduction))
+    ours.sum().backward()
+    assert x.grad is not None and y.grad is not None
+
+
+def test_module_and_legacy_arguments_match_torch():
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    for kwargs in ({}, {"reduction": "sum"}, {"reduction": "none"}, {"size_average": False}, {"reduce": False}):
+        torch.testing.assert_close(losses.MSELoss(**kwargs)(x, y), torch.nn.MSELoss(**kwargs)(x, y))
+    torch.testing.assert_close(losses.mse_loss(x, y, False), F.mse_loss(x, y, False))
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = torch.randn(3)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        losses.mse_loss(x, x, reduction="batchmean")
+    with pytest.raises(ValueError, match="target is on meta"):
+        losses.mse_loss(x, torch.empty(3, device="meta"))
+
+
+# ----------------------------------------------------------------------------------
+# GPU: the fused kernel against torch in float64.
+
+# Each case hits one regime of the kernel. Built on the GPU, so views stay views.
+def randn(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+SHAPES = {
+    "one row, odd length (vector body + scalar tail)": lambda dtype: randn(1, 4099, dtype=dtype),
+    "7x1000": lambda dtype: randn(7, 1000, dtype=dtype),
+    "3-D batch": lambda dtype: randn(4, 33, 77, dtype=dtype),
+    "non-contiguous view (stride 2)": lambda dtype: randn(64, 260, dtype=dtype)[:, ::2],
+    "misaligned view (no 16-byte vectors)": lambda dtype: randn(3003, dtype=dtype)[1:3001].view(2, 1500),
+    "single element": lambda dtype: randn(dtype=dtype),
+}
+
+
+def make_inputs(case, dtype):
+    return [SHAPES[case](dtype), SHAPES[case](dtype)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_matches_float64(case, dtype, reduction):
+    inputs = make_inputs(case, dtype)
+    check_against_float64(lambda x, y: losses.mse_loss(x, y, reduction=reduction),
+                          lambda x, y: reference(x, y, reduction), inputs, grad_of=(0, 1), case=case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_of", [(0,), (1,), (0, 1)], ids=["input", "target", "both"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_output_not_one(reduction, grad_of):
+    """loss * 2.5 before backward: the gradients written in forward must be scaled."""
+    inputs = make_inputs("7x1000", torch.float32)
+    check_against_float64(lambda x, y: losses.mse_loss(x, y, reduction=reduction) * 2.5,
+                          lambda x, y: reference(x, y, reduction) * 2.5, inputs, grad_of=grad_of)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_seed_shape(dtype):
+    """The seeds' workload: 32768 x 32768 (2^30 elements)."""
+    inputs = [torch.randn(32768, 32768, device="cuda", dtype=dtype) for _ in range(2)]
+    check_against_float64(losses.mse_loss, reference, inputs, grad_of=(0,), case="32768x32768")
+
+
+@pytest.mark.gpu
+def test_deterministic():
+    x, y = make_inputs("3-D batch", torch.float32)
+    x.requires_grad_()
+    first = losses.mse_loss(x, y)
+    first.backward()
+    first_grad = x.grad.clone()
+    for _ in range(5):
+        x.grad = None
+        again = losses.mse_loss(x, y)
+        again.backward()
+        assert torch.equal(again, first) and torch.equal(x.grad, first_grad)
+
+
+@pytest.mark.gpu
+def test_unfused_combination_falls_back_only_outside_strict_mode(monkeypatch):
+    x, y = torch.randn(4, 3, device="cuda"), torch.randn(3, device="cuda")
+    with pytest.raises(RuntimeError, match="broadcasting"):
+        losses.mse_loss(x, y)
+    monkeypatch.delenv("FUSED_LOSSES_STRICT")
+    with pytest.warns(UserWarning):  # torch's own broadcasting warning
+        torch.testing.assert_close(losses.mse_loss(x, y), F.mse_loss(x, y))
