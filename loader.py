@@ -229,6 +229,10 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
     # such file is stale.
     (build_dir / "lock").unlink(missing_ok=True)
     started = time.perf_counter()
+    # torch < 2.1 ignores the -gencode below when choosing arch flags and asks
+    # TORCH_CUDA_ARCH_LIST, else the visible GPUs (IndexError when there are none).
+    saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
         _cpp_extension().load_inline(
             name=ext_name,
@@ -244,6 +248,11 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
     except Exception as error:  # load_inline raises RuntimeError with the compiler's output
         raise BuildError(f"building kernel {name!r} for sm_{arch.replace('.', '')} in {build_dir} "
                          f"failed:\n{error}") from None
+    finally:
+        if saved_arch_list is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
     seconds = time.perf_counter() - started
     (build_dir / BUILD_OK).write_text(f"{ext_name}\n")
     print(f"fused_losses: built {name} for sm_{arch.replace('.', '')} in {seconds:.1f} s -> {build_dir}",

@@ -26,6 +26,14 @@
 #include <limits>
 #include <tuple>
 
+// Registers this build's ops in a torch.ops namespace named after the extension
+// (loader.py puts the arch and a content hash in that name, so an edited kernel loads
+// beside the old one). torch < 2.1 stringizes TORCH_LIBRARY's namespace argument
+// without expanding macros, which would register every kernel as the namespace
+// "TORCH_EXTENSION_NAME": one level of indirection expands it first.
+#define FUSED_LOSSES_LIBRARY_IN(ns, m) TORCH_LIBRARY(ns, m)
+#define FUSED_LOSSES_LIBRARY(m) FUSED_LOSSES_LIBRARY_IN(TORCH_EXTENSION_NAME, m)
+
 namespace fused_losses {
 
 // Reduction codes; losses.py holds the same table (REDUCTION_CODES).
@@ -46,6 +54,37 @@ __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
+// exp and log of values that came from, or go to, a 2-byte dtype (half, bfloat16): the
+// hardware's approximations (about 2^-21 relative error) are invisible at 2^-11 output
+// precision and several times cheaper. Wider dtypes get the correctly rounded ones.
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> exp_for(at::opmath_type<T> x) {
+  if constexpr (sizeof(T) == 2) {
+    return exp2f(x * kLog2e);
+  } else {
+    return exp_acc(x);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> log_for(at::opmath_type<T> x) {
+  if constexpr (sizeof(T) == 2) {
+    return __logf(x);
+  } else {
+    return log_acc(x);
+  }
+}
+
+// The larger of two values; NaN loses (as fmaxf), so a NaN must reach results another way.
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t infinity() {
+  return std::numeric_limits<acc_t>::infinity();
+}
 
 template <typename acc_t>
 __device__ __forceinline__ acc_t quiet_nan() {
@@ -98,6 +137,11 @@ __device__ __forceinline__ long long shfl_xor(long long v, int mask) {
 template <typename T>
 struct SumOp {
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+struct MaxOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return max_acc(a, b); }
 };
 
 template <typename T, typename Combine>
@@ -238,8 +282,15 @@ inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output
 //                                needed: written here, scaled by grad_scale, so backward
 //                                never reads the inputs again)
 //   backward, reduction 'none':  grad_output (per element) + grad_input / grad_target
-// `Op` computes, in acc_t, the loss term and its derivatives for one element:
-//   op(input, target, &loss, &d_input, &d_target).
+// `Op` computes, in acc_t, what `need` asks of one element of storage type T (the rest
+// is left alone, so a no-grad forward spends no time on derivatives):
+//   op.template compute<T>(input, target, need, &loss, &d_input, &d_target).
+
+struct Needs {
+  bool loss;
+  bool d_input;
+  bool d_target;
+};
 
 struct PointwiseArgs {
   int64_t n;
@@ -260,18 +311,20 @@ struct PointwisePointers {
 template <int VEC, typename T, typename Op>
 __device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePointers<T>& ptr,
                                                              int64_t offset, at::opmath_type<T> grad_scale,
-                                                             const Op& op) {
+                                                             bool need_loss, const Op& op) {
   using acc_t = at::opmath_type<T>;
   const Pack<T, VEC> in = load_pack<T, VEC>(ptr.input + offset);
   const Pack<T, VEC> tg = load_pack<T, VEC>(ptr.target + offset);
   Pack<T, VEC> go;
   if (ptr.grad_output != nullptr) go = load_pack<T, VEC>(ptr.grad_output + offset);
+  const Needs need{need_loss, ptr.grad_input != nullptr, ptr.grad_target != nullptr};
   Pack<T, VEC> loss_pack, d_input_pack, d_target_pack;
   acc_t pack_sum = 0;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    acc_t loss, d_input, d_target;
-    op(static_cast<acc_t>(in.val[k]), static_cast<acc_t>(tg.val[k]), loss, d_input, d_target);
+    acc_t loss = 0, d_input = 0, d_target = 0;
+    op.template compute<T>(static_cast<acc_t>(in.val[k]), static_cast<acc_t>(tg.val[k]), need, loss, d_input,
+                           d_target);
     const acc_t scale = ptr.grad_output != nullptr ? static_cast<acc_t>(go.val[k]) : grad_scale;
     pack_sum += loss;
     loss_pack.val[k] = static_cast<T>(loss);
@@ -294,13 +347,14 @@ __global__ void __launch_bounds__(256) pointwise_loss_kernel(PointwisePointers<T
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_packs = args.n / VEC;
+  const bool need_loss = partials != nullptr || ptr.loss_out != nullptr;
   sum_t thread_sum = 0;
   for (int64_t p = first; p < num_packs; p += stride) {
-    thread_sum += pointwise_pack<VEC>(ptr, p * VEC, grad_scale, op);
+    thread_sum += pointwise_pack<VEC>(ptr, p * VEC, grad_scale, need_loss, op);
   }
   // The last n % VEC elements: the same code, one element at a time.
   for (int64_t i = num_packs * VEC + first; i < args.n; i += stride) {
-    thread_sum += pointwise_pack<1>(ptr, i, grad_scale, op);
+    thread_sum += pointwise_pack<1>(ptr, i, grad_scale, need_loss, op);
   }
   if (partials != nullptr) {
     const sum_t block_total = block_sum(thread_sum, scratch);

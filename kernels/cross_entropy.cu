@@ -24,49 +24,59 @@ namespace fused_losses {
 // 16-byte packs per thread kept in registers (8 x 4 registers) when the row fits.
 constexpr int kCachePacks = 8;
 
-// Running max and sum of exp(x - max) over part of a row.
+// Running max and sum of exp(x - max) over part of a row, in acc_t (float, or double
+// for float64 logits).
+template <typename acc_t>
 struct MaxSum {
-  float max;
-  float sum;
+  acc_t max;
+  acc_t sum;
 };
 
-__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
-  const float max = fmaxf(a.max, b.max);
+template <typename acc_t>
+__device__ __forceinline__ MaxSum<acc_t> combine(MaxSum<acc_t> a, MaxSum<acc_t> b) {
+  const acc_t max = max_acc(a.max, b.max);
   // When both maxima are -inf nothing has been added yet: keep the sum at 0, not NaN.
-  if (max == -INFINITY) return {max, 0.f};
-  return {max, a.sum * expf(a.max - max) + b.sum * expf(b.max - max)};
+  if (max == -infinity<acc_t>()) return {max, acc_t(0)};
+  return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
 }
 
-__device__ __forceinline__ MaxSum shfl_xor(MaxSum v, int mask) {
+template <typename acc_t>
+__device__ __forceinline__ MaxSum<acc_t> shfl_xor(MaxSum<acc_t> v, int mask) {
   return {shfl_xor(v.max, mask), shfl_xor(v.sum, mask)};
 }
 
 struct CombineMaxSum {
-  __device__ __forceinline__ MaxSum operator()(MaxSum a, MaxSum b) const { return combine(a, b); }
+  template <typename acc_t>
+  __device__ __forceinline__ MaxSum<acc_t> operator()(MaxSum<acc_t> a, MaxSum<acc_t> b) const {
+    return combine(a, b);
+  }
 };
 
-template <typename T, int VEC>
-__device__ __forceinline__ MaxSum add_pack(MaxSum acc, const Pack<T, VEC>& pack) {
-  float pack_max = -INFINITY;
+template <typename T, int VEC, typename acc_t = at::opmath_type<T>>
+__device__ __forceinline__ MaxSum<acc_t> add_pack(MaxSum<acc_t> acc, const Pack<T, VEC>& pack) {
+  acc_t pack_max = -infinity<acc_t>();
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) pack_max = fmaxf(pack_max, static_cast<float>(pack.val[k]));
-  const float max = fmaxf(acc.max, pack_max);
-  if (max == -INFINITY) return acc;
-  float sum = acc.sum * expf(acc.max - max);
+  for (int k = 0; k < VEC; ++k) pack_max = max_acc(pack_max, static_cast<acc_t>(pack.val[k]));
+  const acc_t max = max_acc(acc.max, pack_max);
+  if (max == -infinity<acc_t>()) return acc;
+  acc_t sum = acc.sum * exp_acc(acc.max - max);
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) sum += expf(static_cast<float>(pack.val[k]) - max);
+  for (int k = 0; k < VEC; ++k) sum += exp_for<T>(static_cast<acc_t>(pack.val[k]) - max);
   return {max, sum};
 }
 
-// The gradient of one pack of a row: (softmax - one_hot(target)) * scale.
-template <typename T, int VEC>
+// The gradient of one pack of a row: (softmax - one_hot(target)) * scale, with
+// softmax = exp((x - row_max) - log_sum): x - row_max is exact where it matters most
+// (near the max), so this rounds less than exp(x - lse).
+template <typename T, int VEC, typename acc_t>
 __device__ __forceinline__ Pack<T, VEC> grad_pack(const Pack<T, VEC>& logits, int64_t first_class,
-                                                  int64_t one_hot_class, float lse, float scale) {
+                                                  int64_t one_hot_class, acc_t row_max, acc_t log_sum,
+                                                  acc_t scale) {
   Pack<T, VEC> grad;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const float softmax = expf(static_cast<float>(logits.val[k]) - lse);
-    const float one_hot = first_class + k == one_hot_class ? 1.f : 0.f;
+    const acc_t softmax = exp_for<T>((static_cast<acc_t>(logits.val[k]) - row_max) - log_sum);
+    const acc_t one_hot = first_class + k == one_hot_class ? acc_t(1) : acc_t(0);
     grad.val[k] = static_cast<T>((softmax - one_hot) * scale);
   }
   return grad;
@@ -110,30 +120,35 @@ __global__ void count_valid_targets_kernel(const index_t* target, int64_t rows, 
 
 struct CrossEntropyOutputs {
   void* loss_per_row;  // T[rows], reduction 'none'
-  float* lse;          // [rows], reduction 'none' with grad: saved for backward
+  void* lse;           // acc_t[rows], reduction 'none' with grad: saved for backward
   sum_t* partials;     // [gridDim.x], scalar reductions
   void* grad_logits;   // T[rows, C], scalar reductions with grad
   const int64_t* valid_count;  // 'mean' with grad: the gradient scale is 1 / *valid_count
 };
 
-// One block per row (grid-stride over rows). Pass 1 reads the row once for lse;
-// pass 2 writes the gradient from the registers (or re-reads a row too long for them).
+// One block per row (grid-stride over rows). A row that fits the register cache is read
+// from HBM once: max and sum(exp(x - max)) are then two exact passes over registers,
+// and the gradient is written from them. A longer row is read with an online max/sum,
+// and read again (mostly from L2) for the gradient.
 template <typename T, typename index_t, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
     const T* __restrict__ logits, const index_t* __restrict__ target, int64_t rows, int64_t num_classes,
     int64_t ignore_index, CrossEntropyOutputs out) {
-  __shared__ MaxSum scratch[32];
+  using acc_t = at::opmath_type<T>;
+  __shared__ MaxSum<acc_t> scratch_pair[32];
+  __shared__ acc_t scratch[32];
   const int64_t num_packs = num_classes / VEC;
   const bool row_in_registers = num_packs <= int64_t(kCachePacks) * blockDim.x;
   T* grad_logits = static_cast<T*>(out.grad_logits);
-  const float grad_scale = out.valid_count != nullptr ? 1.f / float(*out.valid_count) : 1.f;
+  const acc_t grad_scale = out.valid_count != nullptr ? acc_t(1) / acc_t(*out.valid_count) : acc_t(1);
   sum_t block_loss = 0;  // meaningful in thread 0
 
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* x = logits + row * num_classes;
     Pack<T, VEC> cache[kCachePacks];
-    MaxSum acc = {-INFINITY, 0.f};
+    acc_t row_max, sum;
     if (row_in_registers) {
+      acc_t thread_max = -infinity<acc_t>();
 #pragma unroll
       for (int k = 0; k < kCachePacks; ++k) {
         const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
@@ -141,35 +156,57 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
       }
 #pragma unroll
       for (int k = 0; k < kCachePacks; ++k) {
-        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) acc = add_pack(acc, cache[k]);
+        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) thread_max = max_acc(thread_max, static_cast<acc_t>(cache[k].val[j]));
+        }
       }
+      row_max = block_allreduce(thread_max, MaxOp(), -infinity<acc_t>(), scratch);
+      acc_t thread_sum = 0;
+#pragma unroll
+      for (int k = 0; k < kCachePacks; ++k) {
+        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) thread_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
+        }
+      }
+      sum = block_sum(thread_sum, scratch);
     } else {
+      MaxSum<acc_t> acc = {-infinity<acc_t>(), acc_t(0)};
       for (int64_t p = threadIdx.x; p < num_packs; p += blockDim.x) acc = add_pack(acc, load_pack<T, VEC>(x + p * VEC));
+      acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), acc_t(0)}, scratch_pair);
+      row_max = acc.max;
+      sum = acc.sum;
     }
-    acc = block_allreduce(acc, CombineMaxSum(), MaxSum{-INFINITY, 0.f}, scratch);
-    const float lse = acc.max + logf(acc.sum);
+    const acc_t log_sum = log_acc(sum);
     const RowTarget t = row_target(target, row, num_classes, ignore_index);
 
     if (threadIdx.x == 0) {
-      const float row_loss = t.ignored ? 0.f : t.valid ? lse - static_cast<float>(x[t.index]) : NAN;
+      // (max - x_t) + log_sum: the difference first, so a loss near 0 keeps its digits.
+      const acc_t row_loss = t.ignored ? acc_t(0)
+                             : t.valid ? (row_max - static_cast<acc_t>(x[t.index])) + log_sum
+                                       : quiet_nan<acc_t>();
       if (out.loss_per_row != nullptr) static_cast<T*>(out.loss_per_row)[row] = static_cast<T>(row_loss);
-      if (out.lse != nullptr) out.lse[row] = lse;
+      if (out.lse != nullptr) static_cast<acc_t*>(out.lse)[row] = row_max + log_sum;
       block_loss += row_loss;
     }
 
     if (grad_logits != nullptr) {
       T* g = grad_logits + row * num_classes;
-      const float scale = t.ignored ? 0.f : t.valid ? grad_scale : NAN;
+      const acc_t scale = t.ignored ? acc_t(0) : t.valid ? grad_scale : quiet_nan<acc_t>();
       const int64_t one_hot = t.one_hot_class();
       if (row_in_registers) {
 #pragma unroll
         for (int k = 0; k < kCachePacks; ++k) {
           const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-          if (p < num_packs) store_pack<T, VEC>(g + p * VEC, grad_pack(cache[k], p * VEC, one_hot, lse, scale));
+          if (p < num_packs) {
+            store_pack<T, VEC>(g + p * VEC, grad_pack(cache[k], p * VEC, one_hot, row_max, log_sum, scale));
+          }
         }
       } else {
         for (int64_t p = threadIdx.x; p < num_packs; p += blockDim.x) {
-          store_pack<T, VEC>(g + p * VEC, grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, lse, scale));
+          store_pack<T, VEC>(g + p * VEC,
+                             grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_max, log_sum, scale));
         }
       }
     }
@@ -181,19 +218,21 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
 // the lse the forward saved.
 template <typename T, typename index_t, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) cross_entropy_backward_kernel(
-    const T* __restrict__ logits, const index_t* __restrict__ target, const float* __restrict__ lse,
-    const T* __restrict__ grad_output, int64_t rows, int64_t num_classes, int64_t ignore_index,
-    T* __restrict__ grad_logits) {
+    const T* __restrict__ logits, const index_t* __restrict__ target,
+    const at::opmath_type<T>* __restrict__ lse, const T* __restrict__ grad_output, int64_t rows,
+    int64_t num_classes, int64_t ignore_index, T* __restrict__ grad_logits) {
+  using acc_t = at::opmath_type<T>;
   const int64_t num_packs = num_classes / VEC;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* x = logits + row * num_classes;
     T* g = grad_logits + row * num_classes;
     const RowTarget t = row_target(target, row, num_classes, ignore_index);
-    const float scale = t.ignored ? 0.f : t.valid ? static_cast<float>(grad_output[row]) : NAN;
+    const acc_t scale = t.ignored ? acc_t(0) : t.valid ? static_cast<acc_t>(grad_output[row]) : quiet_nan<acc_t>();
     const int64_t one_hot = t.one_hot_class();
-    const float row_lse = lse[row];
+    const acc_t row_lse = lse[row];
     for (int64_t p = threadIdx.x; p < num_packs; p += blockDim.x) {
-      store_pack<T, VEC>(g + p * VEC, grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_lse, scale));
+      store_pack<T, VEC>(g + p * VEC,
+                         grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_lse, acc_t(0), scale));
     }
   }
 }
@@ -211,6 +250,11 @@ inline RowLaunch row_launch(int64_t rows, int64_t num_packs, int device) {
   int threads = 32;
   while (threads < kMaxThreads && int64_t(threads) * kCachePacks < num_packs) threads *= 2;
   return {threads, grid_for(rows * threads, threads, device)};
+}
+
+// The saved lse is kept in the accumulation type.
+inline at::ScalarType lse_dtype(const at::Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 inline void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& target) {
@@ -254,8 +298,8 @@ void dispatch_cross_entropy(const at::Tensor& logits, const at::Tensor& target, 
 
 // Returns (loss, grad_logits, lse):
 //   scalar reduction: loss is 0-dim; grad_logits is written when want_grad; lse is empty.
-//   'none': loss is (N,); grad_logits is empty; lse (float, (N,)) is written when
-//   want_grad, for backward.
+//   'none': loss is (N,); grad_logits is empty; lse ((N,), float32, or float64 for
+//   float64 logits) is written when want_grad, for backward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits_arg,
                                                                      const at::Tensor& target_arg,
                                                                      int64_t ignore_index, int64_t reduction,
@@ -268,10 +312,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::T
   const int64_t rows = logits.size(0);
   const int64_t num_classes = logits.size(1);
   const bool scalar_loss = reduction != kNone;
-  const auto float_options = logits.options().dtype(at::kFloat);
+  const auto lse_options = logits.options().dtype(lse_dtype(logits));
   at::Tensor loss = scalar_loss ? at::empty({}, logits.options()) : at::empty({rows}, logits.options());
   at::Tensor grad_logits = scalar_loss && want_grad ? at::empty_like(logits) : at::empty({0}, logits.options());
-  at::Tensor lse = !scalar_loss && want_grad ? at::empty({rows}, float_options) : at::empty({0}, float_options);
+  at::Tensor lse = !scalar_loss && want_grad ? at::empty({rows}, lse_options) : at::empty({0}, lse_options);
   if (rows == 0 || num_classes == 0) return {loss, grad_logits, lse};  // losses.py sends these to torch
 
   dispatch_cross_entropy(logits, target, [&](auto config) {
@@ -290,7 +334,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::T
     at::Tensor partials = at::empty({scalar_loss ? launch.grid : 0}, logits.options().dtype(at::kDouble));
     CrossEntropyOutputs out;
     out.loss_per_row = scalar_loss ? nullptr : loss.data_ptr();
-    out.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
+    out.lse = lse.numel() ? lse.data_ptr() : nullptr;
     out.partials = scalar_loss ? partials.data_ptr<sum_t>() : nullptr;
     out.grad_logits = grad_logits.numel() ? grad_logits.data_ptr() : nullptr;
     out.valid_count = reduction == kMean && want_grad ? valid_count.data_ptr<int64_t>() : nullptr;
@@ -310,7 +354,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& logits_arg, const at::Tensor
                                   int64_t ignore_index) {
   check_cross_entropy_inputs(logits_arg, target_arg);
   const int64_t rows = logits_arg.size(0);
-  TORCH_CHECK(lse_arg.numel() == rows && lse_arg.scalar_type() == at::kFloat, "cross_entropy: bad saved lse");
+  TORCH_CHECK(lse_arg.numel() == rows && lse_arg.scalar_type() == lse_dtype(logits_arg), "cross_entropy: bad saved lse");
   TORCH_CHECK(grad_output_arg.numel() == rows && grad_output_arg.scalar_type() == logits_arg.scalar_type(),
               "cross_entropy: grad_output must have N elements of input's dtype");
   c10::cuda::CUDAGuard guard(logits_arg.device());
@@ -328,7 +372,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& logits_arg, const at::Tensor
     constexpr int VEC = decltype(config)::vec;
     const RowLaunch launch = row_launch(rows, num_classes / VEC, logits.get_device());
     cross_entropy_backward_kernel<T, index_t, VEC><<<launch.grid, launch.threads, 0, stream>>>(
-        logits.data_ptr<T>(), target.data_ptr<index_t>(), lse.data_ptr<float>(), grad_output.data_ptr<T>(), rows,
+        logits.data_ptr<T>(), target.data_ptr<index_t>(), lse.data_ptr<at::opmath_type<T>>(), grad_output.data_ptr<T>(), rows,
         num_classes, ignore_index, grad_logits.data_ptr<T>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -338,10 +382,9 @@ at::Tensor cross_entropy_backward(const at::Tensor& logits_arg, const at::Tensor
 }  // namespace fused_losses
 
 // ---------------------------------------------------------------------------------
-// Bindings: ops in a namespace named after this build (loader.py), so an edited
-// kernel loads beside the old one instead of clashing with it.
+// Bindings (FUSED_LOSSES_LIBRARY: see common.cuh).
 
-TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+FUSED_LOSSES_LIBRARY(m) {
   m.def("forward", &fused_losses::cross_entropy_forward);
   m.def("backward", &fused_losses::cross_entropy_backward);
   m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",

@@ -24,27 +24,27 @@ struct KlDivOp {
   bool log_input;
   bool log_target;
 
-  template <typename acc_t>
-  __device__ __forceinline__ void operator()(acc_t input, acc_t target, acc_t& loss, acc_t& d_input,
-                                             acc_t& d_target) const {
-    const acc_t log_p = log_input ? input : log_acc(input);
-    acc_t d_log_p;
+  template <typename T, typename acc_t = at::opmath_type<T>>
+  __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs need, acc_t& loss, acc_t& d_input,
+                                          acc_t& d_target) const {
+    const acc_t log_p = log_input ? input : log_for<T>(input);
+    // d loss / d log p = -q; d / dp = that / p, as autograd through torch.log gives it.
     if (log_target) {
-      const acc_t q = exp_acc(target);
+      const acc_t q = exp_for<T>(target);
       loss = q * (target - log_p);
-      d_log_p = -q;
-      d_target = loss + q;
+      if (need.d_input) d_input = log_input ? -q : -q / input;
+      if (need.d_target) d_target = loss + q;
     } else {
       const acc_t q = target;
-      // xlogy(q, q) is 0 where q == 0 (unless q is NaN).
-      const acc_t log_q_or_0 = q == acc_t(0) ? acc_t(0) : log_acc(q);
-      loss = q * log_q_or_0 - q * log_p;
-      d_log_p = -q;
-      // torch: d xlogy(q, q) / dq = xlogy(q != 0, q) + q / q, which is NaN at q == 0.
-      d_target = log_q_or_0 + q / q - log_p;
+      if (need.d_input) d_input = log_input ? -q : -q / input;
+      if (need.loss || need.d_target) {
+        // xlogy(q, q) is 0 where q == 0 (unless q is NaN).
+        const acc_t log_q_or_0 = q == acc_t(0) ? acc_t(0) : log_for<T>(q);
+        loss = q * log_q_or_0 - q * log_p;
+        // torch: d xlogy(q, q) / dq = xlogy(q != 0, q) + q / q, which is NaN at q == 0.
+        if (need.d_target) d_target = log_q_or_0 + q / q - log_p;
+      }
     }
-    // d / dp = d / d(log p) / p, as autograd through torch.log gives it.
-    d_input = log_input ? d_log_p : d_log_p / input;
   }
 };
 
@@ -73,10 +73,9 @@ std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, cons
 }  // namespace fused_losses
 
 // ---------------------------------------------------------------------------------
-// Bindings: ops in a namespace named after this build (loader.py), so an edited
-// kernel loads beside the old one instead of clashing with it.
+// Bindings (FUSED_LOSSES_LIBRARY: see common.cuh).
 
-TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+FUSED_LOSSES_LIBRARY(m) {
   m.def("forward", &fused_losses::kl_div_forward);
   m.def("backward", &fused_losses::kl_div_backward);
   m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",

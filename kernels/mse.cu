@@ -16,9 +16,9 @@ namespace fused_losses {
 // The math of one element.
 
 struct SquaredErrorOp {
-  template <typename acc_t>
-  __device__ __forceinline__ void operator()(acc_t input, acc_t target, acc_t& loss, acc_t& d_input,
-                                             acc_t& d_target) const {
+  template <typename T, typename acc_t = at::opmath_type<T>>
+  __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
+                                          acc_t& d_target) const {
     const acc_t diff = input - target;
     loss = diff * diff;
     d_input = acc_t(2) * diff;
@@ -49,10 +49,9 @@ std::tuple<at::Tensor, at::Tensor> mse_backward(const at::Tensor& input, const a
 }  // namespace fused_losses
 
 // ---------------------------------------------------------------------------------
-// Bindings: ops in a namespace named after this build (loader.py), so an edited
-// kernel loads beside the old one instead of clashing with it.
+// Bindings (FUSED_LOSSES_LIBRARY: see common.cuh).
 
-TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+FUSED_LOSSES_LIBRARY(m) {
   m.def("forward", &fused_losses::mse_forward);
   m.def("backward", &fused_losses::mse_backward);
   m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",

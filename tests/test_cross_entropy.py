@@ -15,12 +15,15 @@ def reference(logits, target, reduction="mean", ignore_index=IGNORE):
 
 
 def class_targets(logits, index_dtype=torch.int64, ignored_fraction=0.25, ignore_index=IGNORE):
-    """Class indices for logits with classes in dim 1 (dim 0 for 1-D), some set to ignore_index."""
+    """Class indices for logits with classes in dim 1 (dim 0 for 1-D), some set to
+    ignore_index, never all of them (that case has its own test)."""
     num_classes = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
     shape = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
     target = torch.randint(0, num_classes, shape, device=logits.device)
     if target.dim():
-        target[torch.rand(shape, device=logits.device) < ignored_fraction] = ignore_index
+        ignored = torch.rand(shape, device=logits.device) < ignored_fraction
+        ignored.view(-1)[0] = False
+        target[ignored] = ignore_index
     return target.to(index_dtype)
 
 
@@ -73,7 +76,7 @@ def test_bad_arguments_raise_clear_errors():
 # GPU: the fused kernel against torch in float64.
 
 def randn(*shape, dtype):
-    return torch.randn(*shape, device="cuda", dtype=torch.float32).mul(2).to(dtype)
+    return torch.randn(shape, device="cuda", dtype=torch.float32).mul(2).to(dtype)
 
 
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.

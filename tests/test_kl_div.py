@@ -16,7 +16,7 @@ def reference(input, target, reduction="batchmean", log_target=False, log_input=
 
 def probabilities(*shape, device="cpu", dtype=torch.float32):
     """Rows of a random distribution along the last dim (a 0-dim tensor holds 1)."""
-    logits = torch.randn(*shape, device=device)
+    logits = torch.randn(shape, device=device)
     return (logits.softmax(-1) if logits.dim() else torch.ones((), device=device)).to(dtype)
 
 

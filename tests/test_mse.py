@@ -45,7 +45,7 @@ def test_bad_arguments_raise_clear_errors():
 
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.
 def randn(*shape, dtype):
-    return torch.randn(*shape, device="cuda", dtype=dtype)
+    return torch.randn(shape, device="cuda", dtype=dtype)
 
 
 SHAPES = {

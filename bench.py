@@ -1,0 +1,458 @@
+"""Benchmark: our fused losses against eager PyTorch, torch.compile and Liger-Kernel.
+
+    python3 bench.py                      # every case, writes bench_out/bench.json and .png
+    python3 bench.py --quick              # fewer repetitions
+    python3 bench.py --cases kl,ce-64     # only cases whose name contains one of these
+    python3 bench.py --impls ours,eager --json out.json --plot out.png
+
+What it measures, per case (loss, shape, dtype) and implementation:
+  ours     losses.kl_div(p, q, reduction='batchmean', log_input=False), losses.mse_loss,
+           losses.cross_entropy
+  eager    the formulas users write today: F.kl_div(torch.log(p), q, reduction='batchmean'),
+           torch.mean((x - y) ** 2), F.cross_entropy(logits, target)
+  compile  torch.compile (default mode) of those same formulas
+  liger    Liger-Kernel's liger_kl_div(torch.log(p), q, reduction='batchmean') and
+           liger_cross_entropy(logits, target), when importable; it has no MSE
+Forward time is taken under torch.no_grad(); the training step is forward + loss.backward()
+with the gradient of the first input only (p, x, logits). Times are medians over many
+groups of 5 back-to-back steps, each group between two CUDA events (the GPU stays busy,
+as in a training loop), after a warm-up that includes kernel builds and compilation. Inputs are random (softmax of randn for KL, randn for MSE and logits); the
+large cases are far larger than L2, the small (launch-bound) ones rotate among enough
+input sets to cover more than L2.
+
+Bytes are the floor, the bytes any implementation must move (b = element size, per
+element of the first input; CE's int64 targets are left out):
+  cross-entropy  forward b   (read logits)      training 2b (+ write dlogits)
+  KL             forward 2b  (read p, q)        training 3b (+ write dp)
+  MSE            forward 2b  (read x, y)        training 3b (+ write dx)
+GB/s = floor bytes / time. The floor time is floor bytes / the device-to-device copy
+bandwidth measured in the same run (dst.copy_(src) of a 1 GiB tensor, read + write
+counted), and "x floor" = measured time / floor time (1.0 = as fast as a copy). For the
+small cases x floor is meaningless (launch-bound) and shown as '-'.
+Liger's cross-entropy writes its gradient into the logits during the training step's
+forward, so every implementation gets freshly made inputs (same seed, same data).
+Peak extra memory: torch.cuda.max_memory_allocated() during one training step minus the
+memory allocated just before it (inputs already allocated); it includes the gradient.
+Each implementation's loss is compared once with eager's on the same inputs before timing
+(relative tolerance 1e-4 fp32, 2e-2 fp16/bf16): the 'check' column says ok or MISMATCH.
+
+Without a CUDA GPU it says so, checks the CPU path against torch.nn.functional, and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import losses
+
+try:
+    from liger_kernel.transformers.functional import liger_cross_entropy, liger_kl_div
+    LIGER_MISSING = None
+except Exception as error:  # ImportError, or triton failing to import
+    LIGER_MISSING = f"liger_kernel is not importable ({type(error).__name__}: {error})"
+
+IMPLS = ("ours", "eager", "compile", "liger")
+# (loss, rows, columns, dtype); cases of fewer than SMALL_CASE_BYTES per input are launch-bound.
+CASES = [
+    ("kl", 16384, 16384, torch.float32), ("kl", 16384, 16384, torch.float16), ("kl", 64, 1000, torch.float32),
+    ("mse", 32768, 32768, torch.float32), ("mse", 8192, 8192, torch.bfloat16), ("mse", 64, 1000, torch.float32),
+    ("ce", 32768, 4096, torch.float32), ("ce", 8192, 128256, torch.bfloat16), ("ce", 64, 1000, torch.float32),
+]
+SMALL_CASE_BYTES = 16 * 2**20
+L2_COVER_BYTES = 128 * 2**20  # small cases rotate among input sets that add up to this much
+MAX_INPUT_SETS = 512
+FLOOR_BYTES_PER_ELEMENT = {  # in units of the element size: (forward, training step)
+    "kl": (2, 3), "mse": (2, 3), "ce": (1, 2),
+}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float64: 1e-8}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+COPY_BYTES = 2**30  # size of the tensor copied to measure bandwidth
+
+
+# ----------------------------------------------------------------------------------
+# The losses, one function per (implementation, loss); all take the case's inputs.
+
+def ours_kl(p, q):
+    return losses.kl_div(p, q, reduction="batchmean", log_input=False)
+
+
+def eager_kl(p, q):
+    return F.kl_div(torch.log(p), q, reduction="batchmean")
+
+
+def eager_mse(x, y):
+    return torch.mean((x - y) ** 2)
+
+
+def eager_ce(logits, target):
+    return F.cross_entropy(logits, target)
+
+
+def liger_kl(p, q):
+    return liger_kl_div(torch.log(p), q, reduction="batchmean")
+
+
+def liger_ce(logits, target):
+    return liger_cross_entropy(logits, target)
+
+
+OURS = {"kl": ours_kl, "mse": losses.mse_loss, "ce": losses.cross_entropy}
+EAGER = {"kl": eager_kl, "mse": eager_mse, "ce": eager_ce}
+LIGER = {"kl": liger_kl, "ce": liger_ce}
+
+
+def loss_fn_for(impl: str, loss: str):
+    """The callable to time (liger: only for the losses it has, when importable)."""
+    if impl == "ours":
+        return OURS[loss]
+    if impl == "eager":
+        return EAGER[loss]
+    if impl == "compile":
+        import torch._dynamo  # not imported by `import torch` on older versions
+        torch._dynamo.reset()  # a fresh cache per case: no recompile limits, no dynamic shapes
+        return torch.compile(EAGER[loss])
+    return LIGER[loss]
+
+
+# ----------------------------------------------------------------------------------
+# Cases and inputs.
+
+def case_name(loss, rows, cols, dtype) -> str:
+    return f"{loss}-{rows}x{cols}-{DTYPE_NAMES[dtype]}"
+
+
+def element_size(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def is_small(rows, cols, dtype) -> bool:
+    return rows * cols * element_size(dtype) < SMALL_CASE_BYTES
+
+
+def make_inputs(loss, rows, cols, dtype):
+    """One input set on the GPU: (p, q), (x, y) or (logits, target)."""
+    if loss == "kl":  # softmax of 0.5 * randn: no probability near zero, even in fp16
+        p = torch.softmax(0.5 * torch.randn(rows, cols, device="cuda"), dim=-1).to(dtype)
+        q = torch.softmax(0.5 * torch.randn(rows, cols, device="cuda"), dim=-1).to(dtype)
+        return p, q
+    if loss == "mse":
+        return torch.randn(rows, cols, device="cuda", dtype=dtype), torch.randn(rows, cols, device="cuda", dtype=dtype)
+    logits = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    return logits, torch.randint(0, cols, (rows,), device="cuda")
+
+
+def make_input_sets(loss, rows, cols, dtype, seed=0):
+    """Input sets to rotate among; the same seed gives every implementation the same data."""
+    torch.manual_seed(seed)
+    bytes_per_set = 2 * rows * cols * element_size(dtype)
+    count = min(MAX_INPUT_SETS, max(1, math.ceil(L2_COVER_BYTES / bytes_per_set)))
+    return [make_inputs(loss, rows, cols, dtype) for _ in range(count)]
+
+
+def free_gpu_memory():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------
+# Timing.
+
+def median_ms(step, before_step, count: int, reps: int, warmup: int, group: int = 5) -> float:
+    """Median over reps of the time per step, each rep timing `group` back-to-back steps
+    between two CUDA events, so the GPU runs as in a training loop (queue full, the
+    host's launch overhead hidden) rather than idling between single launches.
+    before_step(i) (clearing .grad) runs inside the group; i cycles through the input sets."""
+    for i in range(warmup):
+        before_step(i % count)
+        step(i % count)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    i = 0
+    for rep in range(reps):
+        starts[rep].record()
+        for _ in range(group):
+            before_step(i % count)
+            step(i % count)
+            i += 1
+        ends[rep].record()
+    torch.cuda.synchronize()  # every event has completed before elapsed_time reads it
+    return statistics.median([start.elapsed_time(end) / group for start, end in zip(starts, ends)])
+
+
+def time_forward(loss_fn, input_sets, reps, warmup) -> float:
+    def step(i):
+        loss_fn(*input_sets[i])
+    with torch.no_grad():
+        return median_ms(step, lambda i: None, len(input_sets), reps, warmup)
+
+
+def time_training_step(loss_fn, input_sets, reps, warmup) -> float:
+    """Inputs whose first tensor requires grad; its .grad is cleared (untimed) before each step."""
+    def clear_grad(i):
+        input_sets[i][0].grad = None
+
+    def step(i):
+        loss_fn(*input_sets[i]).backward()
+    return median_ms(step, clear_grad, len(input_sets), reps, warmup)
+
+
+def peak_extra_bytes(loss_fn, input_sets) -> int:
+    """Memory a training step needs beyond its inputs (max allocated during it minus before)."""
+    for inputs in input_sets:
+        inputs[0].grad = None
+    inputs = input_sets[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss_fn(*inputs).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    inputs[0].grad = None
+    return peak
+
+
+def copy_bandwidth_gbps(reps: int) -> float:
+    """Device-to-device copy bandwidth, bytes read + written, median of reps."""
+    src = torch.randn(COPY_BYTES // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda i: dst.copy_(src), lambda i: None, 1, reps, warmup=3, group=1)
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+# ----------------------------------------------------------------------------------
+# One (case, implementation).
+
+def compare_with_eager(loss, loss_fn, inputs, dtype) -> str:
+    """ok / MISMATCH: this implementation's loss against eager's, on the same inputs."""
+    with torch.no_grad():
+        value = float(loss_fn(*inputs).double().item())
+        reference = float(EAGER[loss](*inputs).double().item())
+    free_gpu_memory()
+    close = math.isfinite(value) and abs(value - reference) <= TOLERANCE[dtype] * max(abs(reference), 1e-30)
+    return "ok" if close else f"MISMATCH ({value:.6g} vs eager {reference:.6g})"
+
+
+def run_one(loss, rows, cols, dtype, impl, reps, warmup) -> dict:
+    """Forward ms, training ms and peak extra memory of one implementation on one case."""
+    result = {"check": "-", "forward_ms": None, "train_ms": None, "peak_extra_MB": None,
+              "error": None, "note": None}
+    if impl == "liger" and (LIGER_MISSING or loss not in LIGER):
+        result["note"] = LIGER_MISSING or f"liger has no {loss}"
+        return result
+    loss_fn = input_sets = None
+    try:
+        loss_fn = loss_fn_for(impl, loss)
+        input_sets = make_input_sets(loss, rows, cols, dtype)
+        result["check"] = "ref" if impl == "eager" else compare_with_eager(loss, loss_fn, input_sets[0], dtype)
+        result["forward_ms"] = time_forward(loss_fn, input_sets, reps, warmup)
+        for inputs in input_sets:
+            inputs[0].requires_grad_(True)
+        result["train_ms"] = time_training_step(loss_fn, input_sets, reps, warmup)
+        result["peak_extra_MB"] = peak_extra_bytes(loss_fn, input_sets) / 2**20
+    except Exception as error:  # a compile failure or OOM shows as 'err', the run goes on
+        if result["check"] == "-":
+            result["check"] = "err"
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        result["error"] = f"{type(error).__name__}: {first_line[:200]}"
+    del input_sets, loss_fn
+    free_gpu_memory()
+    return result
+
+
+def add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps):
+    """GB/s, x floor and speedup of ours, from the measured times."""
+    n_bytes = rows * cols * element_size(dtype)
+    small = is_small(rows, cols, dtype)
+    ours = next((row for row in rows_of_case if row["impl"] == "ours"), None)
+    for row in rows_of_case:
+        for mode, per_element in zip(("forward", "train"), FLOOR_BYTES_PER_ELEMENT[loss]):
+            ms = row[f"{mode}_ms"]
+            floor_bytes = per_element * n_bytes
+            floor_ms = floor_bytes / (copy_gbps * 1e9) * 1e3
+            row[f"{mode}_floor_bytes"] = floor_bytes
+            row[f"{mode}_GBps"] = floor_bytes / (ms * 1e-3) / 1e9 if ms and not small else None
+            row[f"{mode}_x_floor"] = ms / floor_ms if ms and not small else None
+            ours_ms = ours[f"{mode}_ms"] if ours else None
+            row[f"ours_speedup_{mode}"] = ms / ours_ms if ms and ours_ms and row["impl"] != "ours" else None
+
+
+# ----------------------------------------------------------------------------------
+# Output.
+
+def fmt(value, spec=".2f", suffix=""):
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_table(results, gpu, copy_gbps):
+    header = ["case", "impl", "check", "fwd ms", "fwd GB/s", "fwd x floor", "train ms", "train GB/s",
+              "train x floor", "ours speedup fwd", "ours speedup train", "peak extra MB"]
+    lines = [header]
+    for r in results:
+        check = "MISMATCH" if r["check"].startswith("MISMATCH") else r["check"]
+        lines.append([r["case"], r["impl"], check, fmt(r["forward_ms"], ".3f"), fmt(r["forward_GBps"], ".0f"),
+                      fmt(r["forward_x_floor"]), fmt(r["train_ms"], ".3f"), fmt(r["train_GBps"], ".0f"),
+                      fmt(r["train_x_floor"]), fmt(r["ours_speedup_forward"], ".2f", "x"),
+                      fmt(r["ours_speedup_train"], ".2f", "x"), fmt(r["peak_extra_MB"], ".0f")])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    print(f"\nGPU: {gpu}   copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
+    for i, line in enumerate(lines):
+        print("  ".join(cell.ljust(w) if j < 3 else cell.rjust(w) for j, (cell, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print("x floor: time / (floor bytes / copy bandwidth); '-' for launch-bound cases. "
+          "ours speedup: that row's time / ours' time.")
+    for r in results:
+        if r["error"]:
+            print(f"  {r['case']} {r['impl']}: {r['error']}")
+        if r["check"].startswith("MISMATCH"):
+            print(f"  {r['case']} {r['impl']}: {r['check']}")
+    if any(r["impl"] == "liger" for r in results):
+        print(f"liger: {LIGER_MISSING}" if LIGER_MISSING else "liger has no MSE loss: '-'.")
+
+
+def write_json(path, report):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, allow_nan=False)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def write_plot(path, results, impls):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not importable: no plot", file=sys.stderr)
+        return
+    cases = [c for c in dict.fromkeys(r["case"] for r in results)
+             if any(r["case"] == c and r["forward_x_floor"] is not None for r in results)]
+    if not cases:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(cases)) * 2, 5))
+    width = 0.8 / len(impls)
+    for ax, mode in zip(axes, ("forward", "train")):
+        for k, impl in enumerate(impls):
+            values = {r["case"]: r[f"{mode}_x_floor"] for r in results if r["impl"] == impl}
+            xs = [i + k * width for i, c in enumerate(cases) if values.get(c) is not None]
+            ys = [values[c] for c in cases if values.get(c) is not None]
+            ax.bar(xs, ys, width, label=impl)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=30, ha="right")
+        ax.set_ylabel("time / floor time (lower is better, 1 = copy speed)")
+        ax.set_title("forward (under no_grad)" if mode == "forward" else "training step (forward + backward)")
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------
+# Entry points.
+
+def cpu_check():
+    """No GPU: show the CPU path giving torch.nn.functional's values."""
+    print("No CUDA GPU found: nothing to time. Checking the CPU path against torch.nn.functional:")
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(64, 1000), dim=-1)
+    q = torch.softmax(torch.randn(64, 1000), dim=-1)
+    x, y = torch.randn(64, 1000), torch.randn(64, 1000)
+    target = torch.randint(0, 1000, (64,))
+    pairs = [
+        ("kl_div", ours_kl(p, q), eager_kl(p, q)),
+        ("mse_loss", losses.mse_loss(x, y), F.mse_loss(x, y)),
+        ("cross_entropy", losses.cross_entropy(x, target), F.cross_entropy(x, target)),
+    ]
+    for name, ours, reference in pairs:
+        verdict = "match" if torch.allclose(ours, reference, rtol=1e-6, atol=0) else "MISMATCH"
+        print(f"  {name:14s} ours {ours.item():.6f}  torch {reference.item():.6f}  {verdict}")
+    return 0
+
+
+def liger_version():
+    if LIGER_MISSING:
+        return None
+    try:
+        from importlib.metadata import version
+        return version("liger-kernel")
+    except Exception:  # importable from a plain folder, without package metadata
+        return "unknown version"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (5 warm-up, 10 timed)")
+    parser.add_argument("--cases", default="", help="comma-separated substrings of case names, e.g. kl,ce-64")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per measurement (default 50, quick 10)")
+    parser.add_argument("--json", default="bench_out/bench.json", help="where to write the results")
+    parser.add_argument("--plot", default="bench_out/bench.png", help="where to write the plot")
+    return parser.parse_args(argv)
+
+
+def selected_cases(filter_text):
+    wanted = [word for word in filter_text.split(",") if word]
+    return [case for case in CASES if not wanted or any(word in case_name(*case) for word in wanted)]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        return cpu_check()
+    impls = [impl for impl in args.impls.split(",") if impl]
+    unknown = [impl for impl in impls if impl not in IMPLS]
+    if unknown:
+        print(f"unknown --impls {','.join(unknown)}; choose from {','.join(IMPLS)}", file=sys.stderr)
+        return 2
+    reps = args.reps or (10 if args.quick else 50)
+    warmup = 5 if args.quick else 10
+    gpu = torch.cuda.get_device_name()
+    copy_gbps = copy_bandwidth_gbps(reps)
+    free_gpu_memory()
+    print(f"{gpu}: copy bandwidth {copy_gbps:.0f} GB/s", file=sys.stderr)
+    if LIGER_MISSING:
+        print(LIGER_MISSING, file=sys.stderr)
+
+    results = []
+    for loss, rows, cols, dtype in selected_cases(args.cases):
+        name = case_name(loss, rows, cols, dtype)
+        small = is_small(rows, cols, dtype)
+        case_reps = 4 * reps if small else reps  # launch-bound: cheap, and noisier
+        rows_of_case = []
+        for impl in impls:
+            print(f"[{name}] {impl} ...", file=sys.stderr, flush=True)
+            result = run_one(loss, rows, cols, dtype, impl, case_reps, warmup)
+            result.update(case=name, loss=loss, shape=[rows, cols], dtype=DTYPE_NAMES[dtype], impl=impl,
+                          launch_bound=small)
+            rows_of_case.append(result)
+        add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps)
+        results.extend(rows_of_case)
+
+    report = {
+        "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "copy_bandwidth_GBps": copy_gbps, "copy_bytes_moved": 2 * COPY_BYTES,
+        "reps": reps, "warmup": warmup, "quick": args.quick,
+        "liger": liger_version(), "liger_note": LIGER_MISSING,
+        "floor_bytes_per_element": {loss: {"forward": fwd, "train": train}
+                                    for loss, (fwd, train) in FLOOR_BYTES_PER_ELEMENT.items()},
+        "results": results,
+    }
+    write_json(args.json, report)
+    write_plot(args.plot, results, impls)
+    print_table(results, gpu, copy_gbps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
