@@ -81,7 +81,8 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
                            "used it: backward through it twice (retain_graph=True) is not supported")
     ctx.grads_consumed = True
     grads = ctx.saved_tensors
-    scale = grad_output.detach().reshape(()).to(grads[0].dtype if grads[0] is not None else grads[1].dtype)
+    dtype = next(grad.dtype for grad in grads if grad is not None)
+    scale = grad_output if grad_output.dim() == 0 and grad_output.dtype == dtype else grad_output.reshape(()).to(dtype)
     for grad in grads:
         if grad is not None:
             ctx.ops.scale_by_grad_output_(grad, scale)
@@ -136,8 +137,12 @@ def _pointwise_fusable(input: torch.Tensor, target: torch.Tensor) -> str | None:
 
 
 def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
+    want_grad_input, want_grad_target = _wants_grad(input), _wants_grad(target)
+    if not (want_grad_input or want_grad_target):  # no graph to record: skip autograd's bookkeeping
+        ops = _ops(kernel, input.device)
+        return ops.forward(input, target, REDUCTION_CODES[reduction], scale, False, False, *op_args)[0]
     return _PointwiseLossFunction.apply(input, target, kernel, reduction, scale, tuple(op_args),
-                                        _wants_grad(input), _wants_grad(target))
+                                        want_grad_input, want_grad_target)
 
 
 # ----------------------------------------------------------------------------------
@@ -296,7 +301,11 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     else:
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
         rows_target = target.reshape(-1)
-    loss = _CrossEntropyFunction.apply(logits, rows_target, int(ignore_index), reduction, _wants_grad(input))
+    if _wants_grad(input):
+        loss = _CrossEntropyFunction.apply(logits, rows_target, int(ignore_index), reduction, True)
+    else:  # no graph to record: skip autograd's bookkeeping
+        ops = _ops("cross_entropy", input.device)
+        loss = ops.forward(logits, rows_target, int(ignore_index), REDUCTION_CODES[reduction], False)[0]
     return loss.reshape(loss_shape) if reduction == "none" else loss
 
 

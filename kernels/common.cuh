@@ -307,25 +307,40 @@ struct PointwisePointers {
   T* __restrict__ grad_target;        // or nullptr
 };
 
-// The VEC elements at `offset`, loaded and stored as packs; returns their loss sum.
+// Packs per thread loaded before the first is used: enough bytes in flight to cover
+// memory latency (4 x 16 B x 2-3 inputs per thread).
+constexpr int kLoadsAhead = 4;
+
+template <typename T, int VEC>
+struct PointwiseInputs {
+  Pack<T, VEC> input, target, grad_output;
+};
+
+template <int VEC, typename T>
+__device__ __forceinline__ PointwiseInputs<T, VEC> load_pointwise(const PointwisePointers<T>& ptr, int64_t offset) {
+  PointwiseInputs<T, VEC> v;
+  v.input = load_pack<T, VEC>(ptr.input + offset);
+  v.target = load_pack<T, VEC>(ptr.target + offset);
+  if (ptr.grad_output != nullptr) v.grad_output = load_pack<T, VEC>(ptr.grad_output + offset);
+  return v;
+}
+
+// The VEC elements at `offset`: computes and stores what is asked; returns their loss sum.
 template <int VEC, typename T, typename Op>
-__device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePointers<T>& ptr,
-                                                             int64_t offset, at::opmath_type<T> grad_scale,
-                                                             bool need_loss, const Op& op) {
+__device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePointers<T>& ptr, int64_t offset,
+                                                             const PointwiseInputs<T, VEC>& v,
+                                                             at::opmath_type<T> grad_scale, bool need_loss,
+                                                             const Op& op) {
   using acc_t = at::opmath_type<T>;
-  const Pack<T, VEC> in = load_pack<T, VEC>(ptr.input + offset);
-  const Pack<T, VEC> tg = load_pack<T, VEC>(ptr.target + offset);
-  Pack<T, VEC> go;
-  if (ptr.grad_output != nullptr) go = load_pack<T, VEC>(ptr.grad_output + offset);
   const Needs need{need_loss, ptr.grad_input != nullptr, ptr.grad_target != nullptr};
   Pack<T, VEC> loss_pack, d_input_pack, d_target_pack;
   acc_t pack_sum = 0;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
     acc_t loss = 0, d_input = 0, d_target = 0;
-    op.template compute<T>(static_cast<acc_t>(in.val[k]), static_cast<acc_t>(tg.val[k]), need, loss, d_input,
-                           d_target);
-    const acc_t scale = ptr.grad_output != nullptr ? static_cast<acc_t>(go.val[k]) : grad_scale;
+    op.template compute<T>(static_cast<acc_t>(v.input.val[k]), static_cast<acc_t>(v.target.val[k]), need, loss,
+                           d_input, d_target);
+    const acc_t scale = ptr.grad_output != nullptr ? static_cast<acc_t>(v.grad_output.val[k]) : grad_scale;
     pack_sum += loss;
     loss_pack.val[k] = static_cast<T>(loss);
     d_input_pack.val[k] = static_cast<T>(d_input * scale);
@@ -345,16 +360,25 @@ __global__ void __launch_bounds__(256) pointwise_loss_kernel(PointwisePointers<T
   __shared__ sum_t scratch[32];
   const acc_t grad_scale = static_cast<acc_t>(args.grad_scale);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_packs = args.n / VEC;
   const bool need_loss = partials != nullptr || ptr.loss_out != nullptr;
   sum_t thread_sum = 0;
-  for (int64_t p = first; p < num_packs; p += stride) {
-    thread_sum += pointwise_pack<VEC>(ptr, p * VEC, grad_scale, need_loss, op);
+  int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; p + (kLoadsAhead - 1) * stride < num_packs; p += kLoadsAhead * stride) {
+    PointwiseInputs<T, VEC> v[kLoadsAhead];
+#pragma unroll
+    for (int u = 0; u < kLoadsAhead; ++u) v[u] = load_pointwise<VEC>(ptr, (p + u * stride) * VEC);
+#pragma unroll
+    for (int u = 0; u < kLoadsAhead; ++u) {
+      thread_sum += pointwise_pack<VEC>(ptr, (p + u * stride) * VEC, v[u], grad_scale, need_loss, op);
+    }
+  }
+  for (; p < num_packs; p += stride) {
+    thread_sum += pointwise_pack<VEC>(ptr, p * VEC, load_pointwise<VEC>(ptr, p * VEC), grad_scale, need_loss, op);
   }
   // The last n % VEC elements: the same code, one element at a time.
-  for (int64_t i = num_packs * VEC + first; i < args.n; i += stride) {
-    thread_sum += pointwise_pack<1>(ptr, i, grad_scale, need_loss, op);
+  for (int64_t i = num_packs * VEC + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < args.n; i += stride) {
+    thread_sum += pointwise_pack<1>(ptr, i, load_pointwise<1>(ptr, i), grad_scale, need_loss, op);
   }
   if (partials != nullptr) {
     const sum_t block_total = block_sum(thread_sum, scratch);

@@ -82,6 +82,27 @@ __device__ __forceinline__ Pack<T, VEC> grad_pack(const Pack<T, VEC>& logits, in
   return grad;
 }
 
+// The gradient of a row read from memory (a row too long for the register cache, or
+// backward of 'none'), kLoadsAhead packs in flight per thread.
+template <typename T, int VEC, typename acc_t>
+__device__ __forceinline__ void store_row_grad(const T* x, T* g, int64_t num_packs, int64_t one_hot, acc_t row_max,
+                                               acc_t log_sum, acc_t scale) {
+  int64_t p = threadIdx.x;
+  for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
+    Pack<T, VEC> packs[kLoadsAhead];
+#pragma unroll
+    for (int u = 0; u < kLoadsAhead; ++u) packs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
+#pragma unroll
+    for (int u = 0; u < kLoadsAhead; ++u) {
+      const int64_t q = p + u * blockDim.x;
+      store_pack<T, VEC>(g + q * VEC, grad_pack(packs[u], q * VEC, one_hot, row_max, log_sum, scale));
+    }
+  }
+  for (; p < num_packs; p += blockDim.x) {
+    store_pack<T, VEC>(g + p * VEC, grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_max, log_sum, scale));
+  }
+}
+
 struct RowTarget {
   int64_t index;
   bool ignored;  // == ignore_index: contributes no loss and a zero gradient
@@ -173,7 +194,15 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
       sum = block_sum(thread_sum, scratch);
     } else {
       MaxSum<acc_t> acc = {-infinity<acc_t>(), acc_t(0)};
-      for (int64_t p = threadIdx.x; p < num_packs; p += blockDim.x) acc = add_pack(acc, load_pack<T, VEC>(x + p * VEC));
+      int64_t p = threadIdx.x;
+      for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
+        Pack<T, VEC> packs[kLoadsAhead];
+#pragma unroll
+        for (int u = 0; u < kLoadsAhead; ++u) packs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
+#pragma unroll
+        for (int u = 0; u < kLoadsAhead; ++u) acc = add_pack(acc, packs[u]);
+      }
+      for (; p < num_packs; p += blockDim.x) acc = add_pack(acc, load_pack<T, VEC>(x + p * VEC));
       acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), acc_t(0)}, scratch_pair);
       row_max = acc.max;
       sum = acc.sum;
@@ -204,10 +233,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
           }
         }
       } else {
-        for (int64_t p = threadIdx.x; p < num_packs; p += blockDim.x) {
-          store_pack<T, VEC>(g + p * VEC,
-                             grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_max, log_sum, scale));
-        }
+        store_row_grad<T, VEC>(x, g, num_packs, one_hot, row_max, log_sum, scale);
       }
     }
   }
@@ -229,11 +255,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_backward_kernel(
     const RowTarget t = row_target(target, row, num_classes, ignore_index);
     const acc_t scale = t.ignored ? acc_t(0) : t.valid ? static_cast<acc_t>(grad_output[row]) : quiet_nan<acc_t>();
     const int64_t one_hot = t.one_hot_class();
-    const acc_t row_lse = lse[row];
-    for (int64_t p = threadIdx.x; p < num_packs; p += blockDim.x) {
-      store_pack<T, VEC>(g + p * VEC,
-                         grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_lse, acc_t(0), scale));
-    }
+    store_row_grad<T, VEC>(x, g, num_packs, one_hot, lse[row], acc_t(0), scale);
   }
 }
 

@@ -62,7 +62,16 @@ def test_cached_load_is_silent_and_fast():
     assert time.perf_counter() - started < 30  # interpreter + torch import; a build takes far longer
 
 
-def test_edited_kernel_gets_a_new_build_after_reload(monkeypatch, tmp_path):
+@pytest.fixture
+def forget_loaded_builds():
+    """Builds memoized by earlier tests must not answer this one's loads (and this
+    test's temporary builds must not answer later tests')."""
+    loader.reload()
+    yield
+    loader.reload()
+
+
+def test_edited_kernel_gets_a_new_build_after_reload(monkeypatch, tmp_path, forget_loaded_builds):
     assert PROBLEM is None, PROBLEM
     kernels = tmp_path / "kernels"
     shutil.copytree(ROOT / "kernels", kernels)
