@@ -39,6 +39,10 @@ BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
 
 _loaded: dict[tuple[str, str], object] = {}  # (kernel name, arch) -> torch.ops namespace
 _loaded_for_device: dict[tuple[str, int], object] = {}  # (kernel name, device index) -> the same
+# Extension names this process has loaded. Loading a second file with the same name
+# (the same build in another cache directory) would register its torch.ops namespace
+# again, which aborts the process: the namespace already loaded is used instead.
+_loaded_extensions: set[str] = set()
 _toolkit_checked = False
 
 
@@ -263,6 +267,8 @@ def _open_build(name: str, arch: str, verbose: bool = False):
     """Loads the build of `name` for `arch`, building it first if needed."""
     sources = kernel_sources(name)
     ext_name = extension_name(name, arch, cache_key(sources, arch))
+    if ext_name in _loaded_extensions:
+        return getattr(torch.ops, ext_name)
     root = cache_root()
     build_dir = root / ext_name
     library = build_dir / f"{ext_name}.so"
@@ -282,6 +288,7 @@ def _open_build(name: str, arch: str, verbose: bool = False):
             if not built():  # another process may have built it meanwhile
                 _build(name, arch, ext_name, build_dir, sources, verbose)
     torch.ops.load_library(str(library))
+    _loaded_extensions.add(ext_name)
     return getattr(torch.ops, ext_name)
 
 

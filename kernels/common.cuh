@@ -308,7 +308,8 @@ struct PointwisePointers {
 };
 
 // Packs per thread loaded before the first is used: enough bytes in flight to cover
-// memory latency (4 x 16 B x 2-3 inputs per thread).
+// memory latency (4 x 16 B x 2-3 inputs per thread). An Op whose math is heavy sets its
+// own Op::kLoadsAhead (more packs in registers would cost it occupancy).
 constexpr int kLoadsAhead = 4;
 
 template <typename T, int VEC>
@@ -362,14 +363,15 @@ __global__ void __launch_bounds__(256) pointwise_loss_kernel(PointwisePointers<T
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
   const bool need_loss = partials != nullptr || ptr.loss_out != nullptr;
+  constexpr int loads_ahead = Op::kLoadsAhead;
   sum_t thread_sum = 0;
   int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; p + (kLoadsAhead - 1) * stride < num_packs; p += kLoadsAhead * stride) {
-    PointwiseInputs<T, VEC> v[kLoadsAhead];
+  for (; p + (loads_ahead - 1) * stride < num_packs; p += loads_ahead * stride) {
+    PointwiseInputs<T, VEC> v[loads_ahead];
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) v[u] = load_pointwise<VEC>(ptr, (p + u * stride) * VEC);
+    for (int u = 0; u < loads_ahead; ++u) v[u] = load_pointwise<VEC>(ptr, (p + u * stride) * VEC);
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) {
+    for (int u = 0; u < loads_ahead; ++u) {
       thread_sum += pointwise_pack<VEC>(ptr, (p + u * stride) * VEC, v[u], grad_scale, need_loss, op);
     }
   }

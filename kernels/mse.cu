@@ -16,6 +16,8 @@ namespace fused_losses {
 // The math of one element.
 
 struct SquaredErrorOp {
+  static constexpr int kLoadsAhead = fused_losses::kLoadsAhead;
+
   template <typename T, typename acc_t = at::opmath_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
                                           acc_t& d_target) const {
