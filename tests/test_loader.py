@@ -197,7 +197,9 @@ def test_build_lock_dies_with_its_process(tmp_path):
 
 
 def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
-    loader.reload()  # a build memoized by an earlier test would answer without touching the cache
+    # Builds memoized or loaded by earlier tests would answer without touching the cache.
+    loader.reload()
+    monkeypatch.setattr(loader, "_loaded_extensions", set())
     if os.geteuid() == 0:
         blocker = tmp_path / "file"
         blocker.write_text("")  # a file where a directory must go fails even for root
