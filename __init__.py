@@ -4,8 +4,11 @@ Copied into a project as a package (any folder name):
     import fused_losses                      # fused_losses.cross_entropy(...)
     from fused_losses import losses, loader
 """
-from . import loader, losses
-from .losses import (CrossEntropyLoss, KLDivLoss, MSELoss, cross_entropy, kl_div,  # noqa: F401
-                     mse_loss)
+# Only as a package: test runners (pytest >= 9) also import this file as a plain
+# module while collecting the folder, where relative imports have no parent package.
+if __package__:
+    from . import loader, losses
+    from .losses import (CrossEntropyLoss, KLDivLoss, MSELoss, cross_entropy, kl_div,  # noqa: F401
+                         mse_loss)
 
-__all__ = ["loader", "losses", *losses.__all__]
+    __all__ = ["loader", "losses", *losses.__all__]
