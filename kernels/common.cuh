@@ -186,10 +186,19 @@ inline int multiprocessor_count(int device) {
   return cached[device];
 }
 
-// A grid-stride launch over `work_items` items with `threads` per block: enough blocks
-// to fill every multiprocessor, no more than the work needs.
-inline int64_t grid_for(int64_t work_items, int threads, int device) {
-  const int64_t resident = int64_t(multiprocessor_count(device)) * (2048 / threads);
+// Blocks of `kernel` with `threads` threads that one multiprocessor holds at once
+// (its registers and shared memory decide).
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return std::max(blocks, 1);
+}
+
+// A grid-stride launch over `work_items` items with `threads` per block: as many blocks
+// as the GPU holds at once (one wave, no ragged tail), no more than the work needs.
+inline int64_t grid_for(int64_t work_items, int threads, int blocks_per_sm, int device) {
+  const int64_t resident = int64_t(multiprocessor_count(device)) * blocks_per_sm;
   const int64_t needed = (work_items + threads - 1) / threads;
   return std::max<int64_t>(1, std::min(resident, needed));
 }
@@ -261,14 +270,13 @@ inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output
   const int threads = 256;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "scale_by_grad_output", [&] {
     constexpr int VEC = vec16<scalar_t>();
-    const int64_t grid = grid_for(grad.numel() / VEC + 1, threads, grad.get_device());
-    if (is_aligned16(grad.data_ptr())) {
-      scale_by_grad_output_kernel<scalar_t, VEC><<<grid, threads, 0, stream>>>(
-          grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
-    } else {
-      scale_by_grad_output_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(
-          grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
-    }
+    const bool vector_ok = is_aligned16(grad.data_ptr());
+    auto kernel = vector_ok ? scale_by_grad_output_kernel<scalar_t, VEC> : scale_by_grad_output_kernel<scalar_t, 1>;
+    static const int blocks_per_sm_vec = resident_blocks_per_sm(scale_by_grad_output_kernel<scalar_t, VEC>, threads);
+    static const int blocks_per_sm_1 = resident_blocks_per_sm(scale_by_grad_output_kernel<scalar_t, 1>, threads);
+    const int64_t grid = grid_for(vector_ok ? grad.numel() / VEC + 1 : grad.numel(), threads,
+                                  vector_ok ? blocks_per_sm_vec : blocks_per_sm_1, grad.get_device());
+    kernel<<<grid, threads, 0, stream>>>(grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -397,7 +405,11 @@ void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, 
   const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) &&
                          is_aligned16(ptr.grad_output) && is_aligned16(ptr.loss_out) &&
                          is_aligned16(ptr.grad_input) && is_aligned16(ptr.grad_target);
-  const int64_t grid = grid_for(vector_ok ? args.n / VEC + 1 : args.n, threads, device);
+  // Looked up once per kernel (C++ initialises function-local statics once, thread-safely).
+  static const int blocks_per_sm_vec = resident_blocks_per_sm(pointwise_loss_kernel<T, VEC, Op>, threads);
+  static const int blocks_per_sm_1 = resident_blocks_per_sm(pointwise_loss_kernel<T, 1, Op>, threads);
+  const int64_t grid = grid_for(vector_ok ? args.n / VEC + 1 : args.n, threads,
+                                vector_ok ? blocks_per_sm_vec : blocks_per_sm_1, device);
   sum_t* partials_out = nullptr;
   if (partials != nullptr) {
     *partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));

@@ -82,25 +82,28 @@ __device__ __forceinline__ Pack<T, VEC> grad_pack(const Pack<T, VEC>& logits, in
   return grad;
 }
 
-// The gradient of a row read from memory (a row too long for the register cache, or
-// backward of 'none'), kLoadsAhead packs in flight per thread.
-template <typename T, int VEC, typename acc_t>
-__device__ __forceinline__ void store_row_grad(const T* x, T* g, int64_t num_packs, int64_t one_hot, acc_t row_max,
-                                               acc_t log_sum, acc_t scale) {
+// Visits every pack of a row read from memory (a row too long for the register cache,
+// or backward of 'none'), kLoadsAhead packs in flight per thread: visit(pack, index).
+template <typename T, int VEC, typename Visit>
+__device__ __forceinline__ void for_each_row_pack(const T* x, int64_t num_packs, Visit visit) {
   int64_t p = threadIdx.x;
   for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
     Pack<T, VEC> packs[kLoadsAhead];
 #pragma unroll
     for (int u = 0; u < kLoadsAhead; ++u) packs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) {
-      const int64_t q = p + u * blockDim.x;
-      store_pack<T, VEC>(g + q * VEC, grad_pack(packs[u], q * VEC, one_hot, row_max, log_sum, scale));
-    }
+    for (int u = 0; u < kLoadsAhead; ++u) visit(packs[u], p + u * blockDim.x);
   }
-  for (; p < num_packs; p += blockDim.x) {
-    store_pack<T, VEC>(g + p * VEC, grad_pack(load_pack<T, VEC>(x + p * VEC), p * VEC, one_hot, row_max, log_sum, scale));
-  }
+  for (; p < num_packs; p += blockDim.x) visit(load_pack<T, VEC>(x + p * VEC), p);
+}
+
+// The gradient of a row read from memory.
+template <typename T, int VEC, typename acc_t>
+__device__ __forceinline__ void store_row_grad(const T* x, T* g, int64_t num_packs, int64_t one_hot, acc_t row_max,
+                                               acc_t log_sum, acc_t scale) {
+  for_each_row_pack<T, VEC>(x, num_packs, [&](const Pack<T, VEC>& pack, int64_t p) {
+    store_pack<T, VEC>(g + p * VEC, grad_pack(pack, p * VEC, one_hot, row_max, log_sum, scale));
+  });
 }
 
 struct RowTarget {
@@ -194,15 +197,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
       sum = block_sum(thread_sum, scratch);
     } else {
       MaxSum<acc_t> acc = {-infinity<acc_t>(), acc_t(0)};
-      int64_t p = threadIdx.x;
-      for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
-        Pack<T, VEC> packs[kLoadsAhead];
-#pragma unroll
-        for (int u = 0; u < kLoadsAhead; ++u) packs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
-#pragma unroll
-        for (int u = 0; u < kLoadsAhead; ++u) acc = add_pack(acc, packs[u]);
-      }
-      for (; p < num_packs; p += blockDim.x) acc = add_pack(acc, load_pack<T, VEC>(x + p * VEC));
+      for_each_row_pack<T, VEC>(x, num_packs, [&](const Pack<T, VEC>& pack, int64_t) { acc = add_pack(acc, pack); });
       acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), acc_t(0)}, scratch_pair);
       row_max = acc.max;
       sum = acc.sum;
@@ -268,10 +263,12 @@ struct RowLaunch {
 };
 
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads.
-inline RowLaunch row_launch(int64_t rows, int64_t num_packs, int device) {
+// One block per row, as many blocks as fit on the GPU at once.
+template <typename Kernel>
+RowLaunch row_launch(Kernel kernel, int64_t rows, int64_t num_packs, int device) {
   int threads = 32;
   while (threads < kMaxThreads && int64_t(threads) * kCachePacks < num_packs) threads *= 2;
-  return {threads, grid_for(rows * threads, threads, device)};
+  return {threads, grid_for(rows * threads, threads, resident_blocks_per_sm(kernel, threads), device)};
 }
 
 // The saved lse is kept in the accumulation type.
@@ -348,11 +345,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::T
     if (reduction == kMean) {
       valid_count = at::zeros({1}, logits.options().dtype(at::kLong));
       const int threads = 256;
-      count_valid_targets_kernel<index_t><<<grid_for(rows, threads, logits.get_device()), threads, 0, stream>>>(
+      static const int count_blocks_per_sm = resident_blocks_per_sm(count_valid_targets_kernel<index_t>, threads);
+      const int64_t count_grid = grid_for(rows, threads, count_blocks_per_sm, logits.get_device());
+      count_valid_targets_kernel<index_t><<<count_grid, threads, 0, stream>>>(
           target.data_ptr<index_t>(), rows, ignore_index, valid_count.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    const RowLaunch launch = row_launch(rows, num_classes / VEC, logits.get_device());
+    const RowLaunch launch =
+        row_launch(cross_entropy_forward_kernel<T, index_t, VEC>, rows, num_classes / VEC, logits.get_device());
     at::Tensor partials = at::empty({scalar_loss ? launch.grid : 0}, logits.options().dtype(at::kDouble));
     CrossEntropyOutputs out;
     out.loss_per_row = scalar_loss ? nullptr : loss.data_ptr();
@@ -392,7 +392,8 @@ at::Tensor cross_entropy_backward(const at::Tensor& logits_arg, const at::Tensor
     using T = typename decltype(config)::scalar;
     using index_t = typename decltype(config)::index;
     constexpr int VEC = decltype(config)::vec;
-    const RowLaunch launch = row_launch(rows, num_classes / VEC, logits.get_device());
+    const RowLaunch launch =
+        row_launch(cross_entropy_backward_kernel<T, index_t, VEC>, rows, num_classes / VEC, logits.get_device());
     cross_entropy_backward_kernel<T, index_t, VEC><<<launch.grid, launch.threads, 0, stream>>>(
         logits.data_ptr<T>(), target.data_ptr<index_t>(), lse.data_ptr<at::opmath_type<T>>(), grad_output.data_ptr<T>(), rows,
         num_classes, ignore_index, grad_logits.data_ptr<T>());
