@@ -21,9 +21,10 @@ namespace fused_losses {
 // formula above term by term, so special values (q = 0, p = 0) come out as torch's do.
 
 struct KlDivOp {
-  // Two logs and a division per element: 4 packs ahead measured slower (H100: fp16
-  // forward 1.33x -> 1.84x the floor, registers); 2 gives two independent chains.
-  static constexpr int kLoadsAhead = 2;
+  // Two logs and a division per element already keep the multiprocessor busy: loading
+  // ahead measured slower on an H100 (fp16 forward 1.33x the floor at 1 pack ahead,
+  // 1.43x at 2, 1.84x at 4; see notes/performance.md).
+  static constexpr int kLoadsAhead = 1;
 
   bool log_input;
   bool log_target;
