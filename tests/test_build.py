@@ -120,3 +120,18 @@ def test_build_killed_half_way_does_not_block_the_next(tmp_path):
     result = build_cli("--arch", ARCHS[0], "--kernel", "mse", env=env, timeout=900)
     assert result.returncode == 0, result.stderr
     assert "built mse" in result.stderr
+
+
+def test_concurrent_first_use_builds_once(tmp_path):
+    """8 processes load one kernel at once on an empty cache: one builds, the others wait on
+    its lock and load that build; all succeed."""
+    assert PROBLEM is None, PROBLEM
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    processes = [subprocess.Popen([sys.executable, str(ROOT / "loader.py"), "--arch", ARCHS[0], "--kernel", "mse"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(8)]
+    outputs = [process.communicate(timeout=900) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr
+    assert sum(stderr.count("built mse") for _, stderr in outputs) == 1
+    assert len([p for p in (tmp_path / "fused_losses").iterdir() if p.is_dir()]) == 1
