@@ -14,6 +14,7 @@ fallback on a CUDA tensor raise instead (the GPU tests do, to prove the kernels 
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -125,15 +126,25 @@ def _pointwise_fusable(input: torch.Tensor, target: torch.Tensor) -> str | None:
     """Why the fused kernel cannot take these tensors, or None when it can."""
     if not (input.is_cuda and target.is_cuda):
         return "CPU tensors"
-    if input.shape != target.shape:
-        return f"input {tuple(input.shape)} and target {tuple(target.shape)} differ in shape (broadcasting)"
-    if input.dtype != target.dtype:
-        return f"input is {input.dtype} but target is {target.dtype}"
-    if input.dtype not in FUSED_DTYPES:
-        return f"dtype {input.dtype} has no kernel"
-    if input.numel() == 0:
+    dtype = torch.promote_types(input.dtype, target.dtype)
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} has no kernel"
+    if math.prod(torch.broadcast_shapes(input.shape, target.shape)) == 0:
         return "empty tensors"
     return None
+
+
+def _pointwise_operands(input: torch.Tensor, target: torch.Tensor):
+    """input and target as the kernel takes them: one dtype (torch's type promotion) and
+    one shape (torch's broadcasting). The casts and expands are autograd-tracked, so the
+    gradients reach the originals in their own dtype and shape; they cost a copy, which
+    the same dtype and shape never pay."""
+    if input.dtype != target.dtype:
+        dtype = torch.promote_types(input.dtype, target.dtype)
+        input, target = input.to(dtype), target.to(dtype)
+    if input.shape != target.shape:
+        input, target = torch.broadcast_tensors(input, target)
+    return input, target
 
 
 def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
@@ -168,11 +179,13 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=
     _check_same_device(input, target=target)
     why_not = _pointwise_fusable(input, target)
     if why_not is None:
+        batch_size = input.shape[0] if input.dim() != 0 else 1  # torch's, before broadcasting
+        input, target = _pointwise_operands(input, target)
         if reduction == "mean":
             warnings.warn(KL_MEAN_WARNING, stacklevel=2)
             scale = 1.0 / input.numel()
-        elif reduction == "batchmean" and input.dim() != 0:
-            scale = 1.0 / input.shape[0]
+        elif reduction == "batchmean":
+            scale = 1.0 / batch_size
         else:
             scale = 1.0
         return _pointwise_loss("kl_div", input, target, reduction, scale, (log_input, log_target))
@@ -204,6 +217,11 @@ def mse_loss(input: torch.Tensor, target: torch.Tensor, size_average=None, reduc
     _check_same_device(input, target=target, weight=weight)
     why_not = "weight is not fused yet" if weight is not None else _pointwise_fusable(input, target)
     if why_not is None:
+        if input.shape != target.shape:  # torch's warning, word for word
+            warnings.warn(f"Using a target size ({target.size()}) that is different to the input size "
+                          f"({input.size()}). This will likely lead to incorrect results due to broadcasting. "
+                          "Please ensure they have the same size.", stacklevel=2)
+        input, target = _pointwise_operands(input, target)
         scale = 1.0 / input.numel() if reduction == "mean" else 1.0
         return _pointwise_loss("mse", input, target, reduction, scale, ())
     _check_fallback_allowed("mse_loss", why_not, input)
@@ -222,96 +240,194 @@ class MSELoss(nn.MSELoss):
 # ----------------------------------------------------------------------------------
 # Cross-entropy.
 
+def _no_tensor(device: torch.device) -> torch.Tensor:
+    """The empty tensor the kernels take for an absent optional tensor (weight)."""
+    cached = _NO_TENSOR.get(device)
+    if cached is None:
+        cached = _NO_TENSOR[device] = torch.empty(0, device=device)
+    return cached
+
+
+_NO_TENSOR: dict = {}
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
-    """(N, C) logits, (N,) class indices."""
+    """(N, C) logits; target (N,) class indices or (N, C) probabilities. Returns (loss,
+    lse), and with inplace the logits too, whose buffer now holds their gradient: marked
+    dirty, so autograd refuses any later use of what they held before."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, want_grad):
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                want_grad_logits, want_grad_target, want_lse, inplace):
         ops = _ops("cross_entropy", logits.device)
-        loss, grad_logits, lse = ops.forward(logits, target, ignore_index, REDUCTION_CODES[reduction], want_grad)
-        ctx.ops, ctx.reduction, ctx.ignore_index = ops, reduction, ignore_index
-        ctx.grads_consumed = False
+        loss, grad_logits, grad_target, lse = ops.forward(
+            logits, target, weight, ignore_index, REDUCTION_CODES[reduction], label_smoothing, z_loss,
+            want_grad_logits, want_grad_target, want_lse, inplace)
+        ctx.ops, ctx.reduction, ctx.grads_consumed = ops, reduction, False
+        ctx.arguments = (ignore_index, label_smoothing, z_loss)
+        ctx.want_grads = (want_grad_logits, want_grad_target)
+        ctx.mark_non_differentiable(lse)
         if reduction == "none":
-            ctx.save_for_backward(logits, target, lse)
+            ctx.save_for_backward(logits, target, weight)
         else:
-            ctx.save_for_backward(grad_logits if want_grad else None)
-        return loss
+            ctx.save_for_backward(grad_logits if want_grad_logits else None,
+                                  grad_target if want_grad_target else None)
+        if inplace:
+            ctx.mark_dirty(logits)
+            return loss, lse, logits
+        return loss, lse
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *unused_grads):
         if ctx.reduction == "none":
-            logits, target, lse = ctx.saved_tensors
-            grad_logits = ctx.ops.backward(logits, target, lse, grad_output.contiguous(), ctx.ignore_index)
+            logits, target, weight = ctx.saved_tensors
+            grad_logits, grad_target = ctx.ops.backward(
+                logits, target, weight, *ctx.arguments, grad_output.contiguous(), *ctx.want_grads)
+            grad_logits = grad_logits if ctx.want_grads[0] else None
+            grad_target = grad_target if ctx.want_grads[1] else None
         else:
-            (grad_logits,) = _backward_from_saved_grads(ctx, grad_output)
-        return grad_logits, None, None, None, None
+            grad_logits, grad_target = _backward_from_saved_grads(ctx, grad_output)
+        return (grad_logits, grad_target) + (None,) * 9
 
 
-def _cross_entropy_fusable(input, target, weight, label_smoothing) -> str | None:
+def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss) -> None:
+    """torch's rules for these arguments, as ValueErrors that name the argument."""
+    if input.dim() == 0:
+        raise ValueError("input must have at least 1 dimension (the classes), got a 0-dim tensor")
+    num_classes = input.shape[1] if input.dim() > 1 else input.shape[0]
+    if target.is_floating_point():
+        if tuple(target.shape) != tuple(input.shape):
+            raise ValueError(f"target of class probabilities must have input's shape {tuple(input.shape)}, "
+                             f"got {tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError("ignore_index is not supported for floating point target (class probabilities)")
+    else:
+        expected = (input.shape[0],) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
+        if tuple(target.shape) != expected:
+            raise ValueError(f"target must have shape {expected} for input of shape {tuple(input.shape)} "
+                             f"(class dim 1), got {tuple(target.shape)}")
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != num_classes):
+        raise ValueError(f"weight must have shape ({num_classes},), one value per class, got {tuple(weight.shape)}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+
+
+def _cross_entropy_fusable(input, target, weight) -> str | None:
     if not input.is_cuda:
         return "CPU tensors"
     if input.dtype not in FUSED_DTYPES:
         return f"dtype {input.dtype} has no kernel"
-    if target.dtype not in (torch.int64, torch.int32):
-        return f"target of dtype {target.dtype} (class probabilities) is not fused yet"
-    if weight is not None:
-        return "weight is not fused yet"
-    if label_smoothing != 0.0:
-        return "label_smoothing is not fused yet"
+    if target.is_floating_point():
+        if target.dtype != input.dtype:
+            return f"class probabilities of dtype {target.dtype} for input of dtype {input.dtype}"
+    elif target.dtype not in (torch.int64, torch.int32):
+        return f"target of dtype {target.dtype} (class indices must be int64 or int32 to be fused)"
+    if weight is not None and weight.dtype != input.dtype:
+        return f"weight of dtype {weight.dtype} for input of dtype {input.dtype}"
     if input.numel() == 0:
         return "empty tensors"
     return None
 
 
-def _check_class_index_target(input: torch.Tensor, target: torch.Tensor) -> None:
-    if target.is_floating_point():
-        return  # class probabilities: torch checks them
-    expected = (input.shape[0],) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
-    if tuple(target.shape) != expected:
-        raise ValueError(f"target must have shape {expected} for input of shape {tuple(input.shape)} "
-                         f"(class dim 1), got {tuple(target.shape)}")
+def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, return_lse):
+    """torch's F.cross_entropy, plus the z-loss and lse that the kernel adds (their
+    definitions, in torch ops)."""
+    loss = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if not (z_loss or return_lse):
+        return loss
+    class_dim = 1 if input.dim() > 1 else 0
+    lse = torch.logsumexp(input.to(torch.float64 if input.dtype == torch.float64 else torch.float32), class_dim)
+    if z_loss:
+        counted = torch.ones_like(lse) if target.is_floating_point() else (target != ignore_index).to(lse.dtype)
+        z = z_loss * lse.square() * counted
+        if reduction == "mean":
+            z = z.sum() / counted.sum()
+        elif reduction == "sum":
+            z = z.sum()
+        loss = loss + z.to(loss.dtype)
+    return (loss, lse.detach()) if return_lse else loss
 
 
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   size_average=None, ignore_index: int = -100, reduce=None, reduction: str = "mean",
-                  label_smoothing: float = 0.0) -> torch.Tensor:
-    """F.cross_entropy(input, target, ...). Input (C), (N, C) or (N, C, d1, ...), classes
-    in dim 1 as in torch. Fused: class-index targets (int64/int32), ignore_index, every
-    reduction. weight, label_smoothing and class-probability targets run torch's
-    implementation for now. A target index outside [0, C) (other than ignore_index)
-    gives NaN for its row where torch would stop with a device-side assert."""
+                  label_smoothing: float = 0.0, *, z_loss: float = 0.0, return_lse: bool = False,
+                  inplace_backward: bool = False):
+    """F.cross_entropy(input, target, ...), fused, plus three options of our own.
+
+    Input (C), (N, C) or (N, C, d1, ...), classes in dim 1 as in torch. target: class
+    indices (int64 or int32; shape (), (N) or (N, d1, ...)) or class probabilities
+    (input's shape and dtype). weight, ignore_index, label_smoothing and every
+    reduction are fused. A class index outside [0, C) (other than ignore_index) gives
+    NaN for its row where torch would stop with a device-side assert.
+
+    z_loss: adds z_loss * lse^2 per counted row (lse = logsumexp over the classes),
+        reduced like the loss ('mean' divides by the number of non-ignored rows).
+    return_lse: also return the per-row lse, float32 (float64 for float64 input), in
+        target's shape for class indices: (loss, lse). It carries no gradient.
+    inplace_backward: with grad and a scalar reduction, the gradient is written over
+        input's memory (no extra memory for it); input holds the gradient afterwards,
+        and autograd raises if anything still needs its old values. input must not be
+        a leaf tensor that requires grad. On CPU this option changes nothing.
+    """
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "mean", "sum"))
-    if input.dim() == 0:
-        raise ValueError("input must have at least 1 dimension (the classes), got a 0-dim tensor")
     _check_same_device(input, target=target, weight=weight)
-    _check_class_index_target(input, target)
-    why_not = _cross_entropy_fusable(input, target, weight, label_smoothing)
+    _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
+    if inplace_backward and reduction == "none":
+        raise ValueError("inplace_backward=True needs reduction 'mean' or 'sum' (the gradient of 'none' is "
+                         "computed in backward)")
+    if inplace_backward and input.is_leaf and input.requires_grad:
+        raise ValueError("inplace_backward=True overwrites input with its gradient, which a leaf tensor that "
+                         "requires grad does not allow; pass the logits from the model (a non-leaf tensor)")
+    why_not = _cross_entropy_fusable(input, target, weight)
     if why_not is not None:
         _check_fallback_allowed("cross_entropy", why_not, input)
-        return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
-                               label_smoothing=label_smoothing)
-    # The kernel takes rows of classes: (C) -> (1, C); (N, C, d...) -> (N * d..., C).
-    # The movedim copy is autograd-tracked, so the gradient flows back to the original layout.
-    loss_shape = target.shape
+        return _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                    return_lse)
+    # The kernel takes rows of classes: (C) -> (1, C); (N, C, d...) -> (N * d..., C), and
+    # probabilities alike. The movedim copy is autograd-tracked, so the gradient flows
+    # back to the original layout.
+    probs = target.is_floating_point()
+    row_shape = input.shape[:1] + input.shape[2:] if input.dim() > 1 else torch.Size()
     if input.dim() == 1:
-        logits, rows_target = input.unsqueeze(0), target.reshape(1)
+        logits, rows_target = input.unsqueeze(0), (target.unsqueeze(0) if probs else target.reshape(1))
     elif input.dim() == 2:
         logits, rows_target = input, target
     else:
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
-        rows_target = target.reshape(-1)
-    if _wants_grad(input):
-        loss = _CrossEntropyFunction.apply(logits, rows_target, int(ignore_index), reduction, True)
+        rows_target = target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1)
+    weight = weight if weight is not None else _no_tensor(input.device)
+    want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
+    arguments = (int(ignore_index), reduction, float(label_smoothing), float(z_loss))
+    if want_grad_logits or want_grad_target:
+        inplace = inplace_backward and want_grad_logits
+        if inplace and not logits.is_contiguous():
+            logits = logits.contiguous()
+        loss, lse = _CrossEntropyFunction.apply(logits, rows_target, weight, *arguments, want_grad_logits,
+                                                want_grad_target, return_lse, inplace)[:2]
     else:  # no graph to record: skip autograd's bookkeeping
         ops = _ops("cross_entropy", input.device)
-        loss = ops.forward(logits, rows_target, int(ignore_index), REDUCTION_CODES[reduction], False)[0]
-    return loss.reshape(loss_shape) if reduction == "none" else loss
+        loss, _, _, lse = ops.forward(logits, rows_target, weight, arguments[0], REDUCTION_CODES[reduction],
+                                      *arguments[2:], False, False, return_lse, False)
+    if reduction == "none":
+        loss = loss.reshape(row_shape)
+    return (loss, lse.reshape(row_shape)) if return_lse else loss
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
-    """nn.CrossEntropyLoss on the fused kernel (see cross_entropy for what is fused)."""
+    """nn.CrossEntropyLoss on the fused kernel; takes cross_entropy's z_loss, return_lse
+    and inplace_backward as keyword arguments too."""
 
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
+                 return_lse: bool = False, inplace_backward: bool = False) -> None:
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.z_loss, self.return_lse, self.inplace_backward = z_loss, return_lse, inplace_backward
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
-                             reduction=self.reduction, label_smoothing=self.label_smoothing)
+                             reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                             return_lse=self.return_lse, inplace_backward=self.inplace_backward)

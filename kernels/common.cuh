@@ -24,7 +24,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <tuple>
+#include <utility>
 
 // Registers this build's ops in a torch.ops namespace named after the extension
 // (loader.py puts the arch and a content hash in that name, so an edited kernel loads
@@ -186,50 +189,68 @@ inline int multiprocessor_count(int device) {
   return cached[device];
 }
 
-// Blocks of `kernel` with `threads` threads that one multiprocessor holds at once
-// (its registers and shared memory decide).
+// Blocks of `kernel` with `threads` threads that one multiprocessor holds at once (its
+// registers and shared memory decide). Asked once per kernel and block size: the answer
+// depends only on the compiled kernel, and the query costs about a microsecond.
 template <typename Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), threads);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
-  return std::max(blocks, 1);
+  return cache[key] = std::max(blocks, 1);
 }
 
-// A grid-stride launch over `work_items` items with `threads` per block: as many blocks
-// as the GPU holds at once (one wave, no ragged tail), no more than the work needs.
-inline int64_t grid_for(int64_t work_items, int threads, int blocks_per_sm, int device) {
-  const int64_t resident = int64_t(multiprocessor_count(device)) * blocks_per_sm;
+// A grid-stride launch of `kernel` over `work_items` items with `threads` per block: as
+// many blocks as the GPU holds at once (one wave, no ragged tail), no more than the work
+// needs.
+template <typename Kernel>
+int64_t grid_for(Kernel kernel, int64_t work_items, int threads, int device) {
+  const int64_t resident = int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads);
   const int64_t needed = (work_items + threads - 1) / threads;
   return std::max<int64_t>(1, std::min(resident, needed));
 }
 
 // ---------------------------------------------------------------------------------
 // Stage two of every scalar reduction: one block adds the per-block partials in a
-// fixed order and writes the loss. The loss is sum * scale, divided by *count when
-// `count` is given (cross-entropy 'mean' divides by the number of non-ignored targets,
-// known only on the device).
+// fixed order and writes the loss. `partials` holds `num_terms` rows of `num_partials`
+// block sums; the loss is scale * sum over terms of (term's sum / term's divisor).
+// A divisor is 1, or, when `divisors` is given (cross-entropy 'mean': the number or the
+// weight of the non-ignored targets, known only on the device), the sum of its row of
+// `num_divisors` block sums.
 
 template <typename out_t>
-__global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, double scale,
-                                  const int64_t* count, out_t* loss) {
+__global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, int num_terms, double scale,
+                                  const sum_t* divisors, int64_t num_divisors, out_t* loss) {
   __shared__ sum_t scratch[32];
-  sum_t total = 0;
-  for (int64_t i = threadIdx.x; i < num_partials; i += blockDim.x) total += partials[i];
-  total = block_sum(total, scratch);
-  if (threadIdx.x == 0) {
-    double result = total * scale;
-    if (count != nullptr) result /= double(*count);
-    *loss = static_cast<out_t>(result);
+  double result = 0;
+  for (int term = 0; term < num_terms; ++term) {
+    sum_t total = 0, divisor = 0;
+    for (int64_t i = threadIdx.x; i < num_partials; i += blockDim.x) total += partials[term * num_partials + i];
+    total = block_sum(total, scratch);
+    if (divisors != nullptr) {
+      for (int64_t i = threadIdx.x; i < num_divisors; i += blockDim.x) divisor += divisors[term * num_divisors + i];
+      divisor = block_sum(divisor, scratch);
+    }
+    result += divisors != nullptr ? total / divisor : total;
   }
+  if (threadIdx.x == 0) *loss = static_cast<out_t>(result * scale);
 }
 
-// Writes sum(partials) * scale [/ *count] into the 0-dim tensor `loss`.
-inline void finish_sum(const at::Tensor& partials, double scale, const int64_t* count,
-                       at::Tensor& loss) {
+// Writes the loss described above into the 0-dim tensor `loss`. partials: (num_terms,
+// blocks) doubles; divisors: undefined, or (num_terms, blocks) doubles.
+inline void finish_sum(const at::Tensor& partials, double scale, const at::Tensor& divisors, at::Tensor& loss) {
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const int num_terms = partials.dim() == 2 ? partials.size(0) : 1;
+  const bool divided = divisors.defined();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, loss.scalar_type(), "finish_sum", [&] {
     finish_sum_kernel<scalar_t><<<1, 256, 0, stream>>>(
-        partials.data_ptr<sum_t>(), partials.numel(), scale, count, loss.data_ptr<scalar_t>());
+        partials.data_ptr<sum_t>(), partials.size(-1), num_terms, scale,
+        divided ? divisors.data_ptr<sum_t>() : nullptr, divided ? divisors.size(-1) : 0, loss.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -272,10 +293,7 @@ inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output
     constexpr int VEC = vec16<scalar_t>();
     const bool vector_ok = is_aligned16(grad.data_ptr());
     auto kernel = vector_ok ? scale_by_grad_output_kernel<scalar_t, VEC> : scale_by_grad_output_kernel<scalar_t, 1>;
-    static const int blocks_per_sm_vec = resident_blocks_per_sm(scale_by_grad_output_kernel<scalar_t, VEC>, threads);
-    static const int blocks_per_sm_1 = resident_blocks_per_sm(scale_by_grad_output_kernel<scalar_t, 1>, threads);
-    const int64_t grid = grid_for(vector_ok ? grad.numel() / VEC + 1 : grad.numel(), threads,
-                                  vector_ok ? blocks_per_sm_vec : blocks_per_sm_1, grad.get_device());
+    const int64_t grid = grid_for(kernel, vector_ok ? grad.numel() / VEC + 1 : grad.numel(), threads, grad.get_device());
     kernel<<<grid, threads, 0, stream>>>(grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -405,11 +423,8 @@ void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, 
   const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) &&
                          is_aligned16(ptr.grad_output) && is_aligned16(ptr.loss_out) &&
                          is_aligned16(ptr.grad_input) && is_aligned16(ptr.grad_target);
-  // Looked up once per kernel (C++ initialises function-local statics once, thread-safely).
-  static const int blocks_per_sm_vec = resident_blocks_per_sm(pointwise_loss_kernel<T, VEC, Op>, threads);
-  static const int blocks_per_sm_1 = resident_blocks_per_sm(pointwise_loss_kernel<T, 1, Op>, threads);
-  const int64_t grid = grid_for(vector_ok ? args.n / VEC + 1 : args.n, threads,
-                                vector_ok ? blocks_per_sm_vec : blocks_per_sm_1, device);
+  const int64_t grid = vector_ok ? grid_for(pointwise_loss_kernel<T, VEC, Op>, args.n / VEC + 1, threads, device)
+                                 : grid_for(pointwise_loss_kernel<T, 1, Op>, args.n, threads, device);
   sum_t* partials_out = nullptr;
   if (partials != nullptr) {
     *partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
@@ -466,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
     at::Tensor partials;
     launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), scale}, op, scalar_loss ? &partials : nullptr,
                           input.get_device());
-    if (scalar_loss) finish_sum(partials, scale, nullptr, loss);
+    if (scalar_loss) finish_sum(partials, scale, at::Tensor(), loss);
   });
   return {loss, grad_input, grad_target};
 }

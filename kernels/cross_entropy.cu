@@ -1,28 +1,44 @@
-// cross_entropy.cu: cross-entropy over rows of logits with class-index targets, as
-// F.cross_entropy(logits, target, ignore_index=..., reduction=...) for (N, C) logits.
+// cross_entropy.cu: F.cross_entropy over rows of logits (N, C), fused: class-index
+// targets (ignore_index, weight, label_smoothing) or class-probability targets (weight,
+// label_smoothing), every reduction; beyond torch, a z-loss term and the per-row lse.
 //
-//   lse_r  = log(sum_c exp(x_rc))                       (online max / sum, one pass)
-//   loss_r = lse_r - x_r,t_r,  or 0 where t_r == ignore_index
-//   d loss_r / d x_rc = (exp(x_rc - lse_r) - [c == t_r]) * scale_r
-// reduced by 'mean' (/ number of non-ignored rows), 'sum' or 'none'. A target outside
-// [0, C) that is not ignore_index gives NaN for its row (torch raises a device-side
-// assert, which would poison the CUDA context).
+// Per row, with lse = log(sum_c exp(x_c)), w_c the class weight (1 without weight), eps
+// the label smoothing and C the number of classes:
+//   class index t:    ce = (1 - eps) w_t (lse - x_t) + eps/C sum_c w_c (lse - x_c)
+//                     (0 where t == ignore_index; NaN where t is outside [0, C): torch
+//                     raises a device-side assert, which would poison the CUDA context)
+//   probabilities y:  ce = sum_c w_c y'_c (lse - x_c),  y' = (1 - eps) y + eps/C
+//   z-loss:           z = z_loss lse^2 (0 where the row is ignored)
+// 'none' gives ce + z per row and 'sum' their sum. 'mean' divides the ce sum by the
+// weight of the non-ignored targets (their number without weight; the number of rows
+// for probabilities), as torch does, and the z sum by the number of counted rows.
 //
-// Bytes per logit (b = element size): forward b. Training step: 2b (read the logits,
-// write the gradient in the same kernel; backward only scales it by grad_output, and
-// not at all when that is 1). A row of up to kCachePacks * kMaxThreads packs stays in
-// registers between the two passes, so it is read from HBM once; a longer row is read
-// twice, the second time mostly from L2.
+// Gradient, with p = softmax(x) and per-row coefficients (RowGradient):
+//   d/dx_c = p_c A - w_c (a y_c + b) - [c == t] B,     d/dy_c = a w_c (lse - x_c).
+//
+// Bytes per logit (b = element size): forward b. Training step: 2b (the forward writes
+// the gradient as it goes; backward only scales it by grad_output, and not at all when
+// that is 1), or b with inplace_backward, whose gradient overwrites the logits. A row of
+// up to cache_packs * kMaxThreads packs stays in registers between the passes, so it is
+// read from HBM once; a longer row is read twice, the second time mostly from L2.
+// Probability targets add b per logit read (and b written for their gradient).
 
 #include "common.cuh"
+
+#include <initializer_list>
+#include <type_traits>
 
 namespace fused_losses {
 
 // ---------------------------------------------------------------------------------
 // Device helpers.
 
-// 16-byte packs per thread kept in registers (8 x 4 registers) when the row fits.
-constexpr int kCachePacks = 8;
+// 16-byte packs per thread kept in registers when the row fits: 8 x 4 registers of
+// logits, or 4 + 4 packs of logits and target probabilities.
+template <bool kProbs>
+constexpr int cache_packs() {
+  return kProbs ? 4 : 8;
+}
 
 // Running max and sum of exp(x - max) over part of a row, in acc_t (float, or double
 // for float64 logits).
@@ -65,122 +81,221 @@ __device__ __forceinline__ MaxSum<acc_t> add_pack(MaxSum<acc_t> acc, const Pack<
   return {max, sum};
 }
 
-// The gradient of one pack of a row: (softmax - one_hot(target)) * scale, with
-// softmax = exp((x - row_max) - log_sum): x - row_max is exact where it matters most
-// (near the max), so this rounds less than exp(x - lse).
-template <typename T, int VEC, typename acc_t>
-__device__ __forceinline__ Pack<T, VEC> grad_pack(const Pack<T, VEC>& logits, int64_t first_class,
-                                                  int64_t one_hot_class, acc_t row_max, acc_t log_sum,
-                                                  acc_t scale) {
-  Pack<T, VEC> grad;
+// Sums over a row that label smoothing and probability targets need. Logits enter as
+// x - ref, with ref a logit of the row that the whole block agrees on (the row max when
+// the row is in registers, else its first logit): the sums then hold the spread of the
+// row, not its offset, and lose no digits to cancellation when the loss subtracts them.
+template <typename acc_t>
+struct ClassSums {
+  acc_t weights;         // sum_c w_c
+  acc_t logits;          // sum_c w_c (x_c - ref)
+  acc_t targets;         // sum_c w_c y_c              (probabilities)
+  acc_t target_logits;   // sum_c w_c y_c (x_c - ref)  (probabilities)
+
+  __device__ __forceinline__ ClassSums operator+(const ClassSums& o) const {
+    return {weights + o.weights, logits + o.logits, targets + o.targets, target_logits + o.target_logits};
+  }
+  // The same sums relative to the row max instead of ref.
+  __device__ __forceinline__ ClassSums relative_to(acc_t ref, acc_t row_max) const {
+    const acc_t shift = row_max - ref;
+    return {weights, logits - shift * weights, targets, target_logits - shift * targets};
+  }
+};
+
+template <typename acc_t>
+__device__ __forceinline__ ClassSums<acc_t> shfl_xor(ClassSums<acc_t> v, int mask) {
+  return {shfl_xor(v.weights, mask), shfl_xor(v.logits, mask), shfl_xor(v.targets, mask),
+          shfl_xor(v.target_logits, mask)};
+}
+
+// What a row's classes weigh: weight[c], or 1 without a weight tensor.
+template <typename acc_t>
+__device__ __forceinline__ acc_t class_weight(const acc_t* weight, int64_t c) {
+  return weight != nullptr ? weight[c] : acc_t(1);
+}
+
+template <bool kProbs, typename T, int VEC, typename acc_t>
+__device__ __forceinline__ void add_class_sums(ClassSums<acc_t>& sums, const Pack<T, VEC>& x, const Pack<T, VEC>& y,
+                                               int64_t first_class, const acc_t* weight, acc_t ref) {
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const acc_t softmax = exp_for<T>((static_cast<acc_t>(logits.val[k]) - row_max) - log_sum);
-    const acc_t one_hot = first_class + k == one_hot_class ? acc_t(1) : acc_t(0);
-    grad.val[k] = static_cast<T>((softmax - one_hot) * scale);
+    const acc_t w = class_weight(weight, first_class + k);
+    const acc_t wx = w * (static_cast<acc_t>(x.val[k]) - ref);
+    sums.weights += w;
+    sums.logits += wx;
+    if constexpr (kProbs) {
+      const acc_t yk = static_cast<acc_t>(y.val[k]);
+      sums.targets += w * yk;
+      sums.target_logits += wx * yk;
+    }
   }
-  return grad;
 }
 
-// Visits every pack of a row read from memory (a row too long for the register cache,
-// or backward of 'none'), kLoadsAhead packs in flight per thread: visit(pack, index).
-template <typename T, int VEC, typename Visit>
-__device__ __forceinline__ void for_each_row_pack(const T* x, int64_t num_packs, Visit visit) {
+// Visits every pack of a row read from memory (with the matching pack of target
+// probabilities when kProbs), kLoadsAhead packs in flight per thread: visit(x, y, index).
+template <typename T, int VEC, bool kProbs, typename Visit>
+__device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, Visit visit) {
+  Pack<T, VEC> none;
   int64_t p = threadIdx.x;
   for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
-    Pack<T, VEC> packs[kLoadsAhead];
+    Pack<T, VEC> xs[kLoadsAhead], ys[kProbs ? kLoadsAhead : 1];
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) packs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
+    for (int u = 0; u < kLoadsAhead; ++u) {
+      xs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
+      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + (p + u * blockDim.x) * VEC);
+    }
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) visit(packs[u], p + u * blockDim.x);
+    for (int u = 0; u < kLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, p + u * blockDim.x);
   }
-  for (; p < num_packs; p += blockDim.x) visit(load_pack<T, VEC>(x + p * VEC), p);
+  for (; p < num_packs; p += blockDim.x) {
+    visit(load_pack<T, VEC>(x + p * VEC), kProbs ? load_pack<T, VEC>(y + p * VEC) : none, p);
+  }
 }
 
-// The gradient of a row read from memory.
-template <typename T, int VEC, typename acc_t>
-__device__ __forceinline__ void store_row_grad(const T* x, T* g, int64_t num_packs, int64_t one_hot, acc_t row_max,
-                                               acc_t log_sum, acc_t scale) {
-  for_each_row_pack<T, VEC>(x, num_packs, [&](const Pack<T, VEC>& pack, int64_t p) {
-    store_pack<T, VEC>(g + p * VEC, grad_pack(pack, p * VEC, one_hot, row_max, log_sum, scale));
-  });
+// A row's gradient, d/dx_c = p_c A - w_c (a y_c + b) - [c == one_hot] B and
+// d/dy_c = a w_c (lse - x_c), already multiplied by the reduction's scale or grad_output.
+template <typename acc_t>
+struct RowGradient {
+  acc_t row_max, log_sum;  // p_c = exp((x_c - row_max) - log_sum): exact near the max
+  acc_t A, a, b, B;
+  int64_t one_hot;  // -1 for none
+};
+
+template <typename T, int VEC, bool kProbs, bool kClassSums, typename acc_t>
+__device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pack<T, VEC>& y, int64_t first_class,
+                                                const RowGradient<acc_t>& g, const acc_t* weight, T* grad_x,
+                                                T* grad_y) {
+  Pack<T, VEC> dx, dy;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const acc_t shifted = static_cast<acc_t>(x.val[k]) - g.row_max;
+    acc_t d = exp_for<T>(shifted - g.log_sum) * g.A;
+    if (first_class + k == g.one_hot) d -= g.B;
+    if constexpr (kClassSums) {
+      const acc_t w = class_weight(weight, first_class + k);
+      d -= w * ((kProbs ? g.a * static_cast<acc_t>(y.val[k]) : acc_t(0)) + g.b);
+      if constexpr (kProbs) dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - shifted));
+    }
+    dx.val[k] = static_cast<T>(d);
+  }
+  if (grad_x != nullptr) store_pack<T, VEC>(grad_x + first_class, dx);
+  if (kProbs && grad_y != nullptr) store_pack<T, VEC>(grad_y + first_class, dy);
 }
 
 struct RowTarget {
   int64_t index;
   bool ignored;  // == ignore_index: contributes no loss and a zero gradient
   bool valid;    // in [0, C)
-
-  // The class whose gradient gets the -1, or -1 for none (an ignored row's gradient is
-  // softmax * 0, as torch computes it: 0, or NaN where the row's softmax is NaN).
-  __device__ __forceinline__ int64_t one_hot_class() const { return ignored ? -1 : index; }
 };
-
-template <typename index_t>
-__device__ __forceinline__ RowTarget row_target(const index_t* target, int64_t row, int64_t num_classes,
-                                                int64_t ignore_index) {
-  const int64_t t = static_cast<int64_t>(target[row]);
-  return {t, t == ignore_index, t >= 0 && t < num_classes};
-}
 
 // ---------------------------------------------------------------------------------
 // Kernels.
 
-// Counts targets != ignore_index (the divisor of 'mean'); integer atomics, so the
-// count is exact and the same every run. `count` starts at 0.
-template <typename index_t>
-__global__ void count_valid_targets_kernel(const index_t* target, int64_t rows, int64_t ignore_index,
-                                           int64_t* count) {
-  __shared__ long long scratch[32];
-  long long local = 0;
+// 'mean' with class indices: per block, the weight (row 0) and the number (row 1) of
+// targets != ignore_index, as doubles in `divisors` (2, gridDim.x). Summed in a fixed
+// order by whoever needs them, so the result is the same every run.
+template <typename index_t, typename acc_t>
+__global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_t num_classes,
+                                     int64_t ignore_index, const acc_t* weight, sum_t* divisors) {
+  __shared__ sum_t scratch[32];
+  sum_t weight_sum = 0, count = 0;
   for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
-    local += static_cast<int64_t>(target[r]) != ignore_index;
+    const int64_t t = static_cast<int64_t>(target[r]);
+    if (t == ignore_index) continue;
+    count += 1;
+    // An index outside [0, C) makes its row's loss NaN; it must not be read from weight.
+    weight_sum += t >= 0 && t < num_classes ? class_weight(weight, t) : acc_t(1);
   }
-  local = block_sum(local, scratch);
-  if (threadIdx.x == 0 && local != 0) {
-    atomicAdd(reinterpret_cast<unsigned long long*>(count), static_cast<unsigned long long>(local));
+  weight_sum = block_sum(weight_sum, scratch);
+  count = block_sum(count, scratch);
+  if (threadIdx.x == 0) {
+    divisors[blockIdx.x] = weight_sum;
+    divisors[gridDim.x + blockIdx.x] = count;
   }
 }
 
-struct CrossEntropyOutputs {
-  void* loss_per_row;  // T[rows], reduction 'none'
-  void* lse;           // acc_t[rows], reduction 'none' with grad: saved for backward
-  sum_t* partials;     // [gridDim.x], scalar reductions
-  void* grad_logits;   // T[rows, C], scalar reductions with grad
-  const int64_t* valid_count;  // 'mean' with grad: the gradient scale is 1 / *valid_count
+template <typename T>
+struct CrossEntropyParams {
+  const T* logits;            // (rows, C)
+  const void* target;         // index_t (rows) or T (rows, C) probabilities
+  const at::opmath_type<T>* weight;  // (C) or nullptr
+  int64_t rows, num_classes, ignore_index;
+  double label_smoothing, z_loss;
+  // Gradient scale of the ce and z terms without grad_output: 1, 1/rows ('mean' with
+  // probabilities), or from `divisors` ('mean' with class indices: 1/weight, 1/count).
+  double ce_scale;
+  const sum_t* divisors;  // (2, num_divisors), or nullptr
+  int64_t num_divisors;
+  const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
+  // Outputs, each nullptr when not wanted.
+  T* loss_per_row;        // (rows): ce + z, reduction 'none'
+  at::opmath_type<T>* lse;  // (rows)
+  sum_t* partials;        // (2, gridDim.x): per block, the sum of ce and of z
+  T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
+  T* grad_target;         // (rows, C): probabilities
 };
 
 // One block per row (grid-stride over rows). A row that fits the register cache is read
-// from HBM once: max and sum(exp(x - max)) are then two exact passes over registers,
-// and the gradient is written from them. A longer row is read with an online max/sum,
-// and read again (mostly from L2) for the gradient.
-template <typename T, typename index_t, int VEC>
-__global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
-    const T* __restrict__ logits, const index_t* __restrict__ target, int64_t rows, int64_t num_classes,
-    int64_t ignore_index, CrossEntropyOutputs out) {
+// from HBM once: max, then sum(exp(x - max)) (and the class sums), are exact passes over
+// registers, and the gradient is written from them. A longer row is read with an online
+// max/sum, and read again (mostly from L2) for the gradient.
+template <typename T, typename index_t, int VEC, bool kProbs, bool kClassSums>
+__global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropyParams<T> params) {
   using acc_t = at::opmath_type<T>;
-  __shared__ MaxSum<acc_t> scratch_pair[32];
+  constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
+  __shared__ MaxSum<acc_t> scratch_pair[32];
+  __shared__ ClassSums<acc_t> scratch_sums[kClassSums ? 32 : 1];
+  __shared__ sum_t scratch_divisor[32];
+  const int64_t num_classes = params.num_classes;
   const int64_t num_packs = num_classes / VEC;
-  const bool row_in_registers = num_packs <= int64_t(kCachePacks) * blockDim.x;
-  T* grad_logits = static_cast<T*>(out.grad_logits);
-  const acc_t grad_scale = out.valid_count != nullptr ? acc_t(1) / acc_t(*out.valid_count) : acc_t(1);
-  sum_t block_loss = 0;  // meaningful in thread 0
+  const bool row_in_registers = num_packs <= int64_t(kPacks) * blockDim.x;
+  const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
+  const acc_t z_loss = static_cast<acc_t>(params.z_loss);
+  const acc_t class_share = smoothing / static_cast<acc_t>(num_classes);  // eps / C
+  const bool want_grad = params.grad_logits != nullptr || params.grad_target != nullptr;
 
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* x = logits + row * num_classes;
-    Pack<T, VEC> cache[kCachePacks];
+  acc_t ce_scale = static_cast<acc_t>(params.ce_scale), z_scale = ce_scale;
+  if (params.divisors != nullptr && want_grad) {
+    sum_t weight_sum = 0, count = 0;
+    for (int64_t i = threadIdx.x; i < params.num_divisors; i += blockDim.x) {
+      weight_sum += params.divisors[i];
+      count += params.divisors[params.num_divisors + i];
+    }
+    ce_scale = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch_divisor));
+    z_scale = static_cast<acc_t>(1.0 / block_sum(count, scratch_divisor));
+  }
+  sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
+
+  for (int64_t row = blockIdx.x; row < params.rows; row += gridDim.x) {
+    const T* x = params.logits + row * num_classes;
+    const T* y = kProbs ? static_cast<const T*>(params.target) + row * num_classes : nullptr;
+    RowTarget t{-1, false, true};
+    if constexpr (!kProbs) {
+      t.index = static_cast<int64_t>(static_cast<const index_t*>(params.target)[row]);
+      t.ignored = t.index == params.ignore_index;
+      t.valid = t.index >= 0 && t.index < num_classes;
+    }
+    const bool counted = !t.ignored && t.valid;
+    // Read before the first barrier, after which threads may overwrite the row with its
+    // gradient (inplace_backward).
+    const acc_t target_logit = !kProbs && counted && threadIdx.x == 0 ? static_cast<acc_t>(x[t.index]) : acc_t(0);
+    // The reference of the class sums for a row read in one pass; 0 when x[0] is -inf
+    // (a masked class), which would make every x - ref infinite.
+    acc_t first_logit = kClassSums && !row_in_registers ? static_cast<acc_t>(x[0]) : acc_t(0);
+    if (!isfinite(first_logit)) first_logit = 0;
+
+    Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
     acc_t row_max, sum;
+    ClassSums<acc_t> sums{};
     if (row_in_registers) {
       acc_t thread_max = -infinity<acc_t>();
 #pragma unroll
-      for (int k = 0; k < kCachePacks; ++k) {
+      for (int k = 0; k < kPacks; ++k) {
         const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-        if (p < num_packs) cache[k] = load_pack<T, VEC>(x + p * VEC);
-      }
-#pragma unroll
-      for (int k = 0; k < kCachePacks; ++k) {
-        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) {
+        if (p < num_packs) {
+          cache[k] = load_pack<T, VEC>(x + p * VEC);
+          if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y + p * VEC);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) thread_max = max_acc(thread_max, static_cast<acc_t>(cache[k].val[j]));
         }
@@ -188,218 +303,310 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_forward_kernel(
       row_max = block_allreduce(thread_max, MaxOp(), -infinity<acc_t>(), scratch);
       acc_t thread_sum = 0;
 #pragma unroll
-      for (int k = 0; k < kCachePacks; ++k) {
-        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) {
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
+        if (p < num_packs) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) thread_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
+          if constexpr (kClassSums) {
+            add_class_sums<kProbs>(sums, cache[k], target_cache[kProbs ? k : 0], p * VEC, params.weight, row_max);
+          }
         }
       }
       sum = block_sum(thread_sum, scratch);
     } else {
       MaxSum<acc_t> acc = {-infinity<acc_t>(), acc_t(0)};
-      for_each_row_pack<T, VEC>(x, num_packs, [&](const Pack<T, VEC>& pack, int64_t) { acc = add_pack(acc, pack); });
+      for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+        acc = add_pack(acc, xp);
+        if constexpr (kClassSums) add_class_sums<kProbs>(sums, xp, yp, p * VEC, params.weight, first_logit);
+      });
       acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), acc_t(0)}, scratch_pair);
       row_max = acc.max;
       sum = acc.sum;
     }
+    if constexpr (kClassSums) {
+      sums = block_allreduce(sums, SumOp<ClassSums<acc_t>>(), ClassSums<acc_t>{}, scratch_sums)
+                 .relative_to(row_in_registers ? row_max : first_logit, row_max);
+    }
     const acc_t log_sum = log_acc(sum);
-    const RowTarget t = row_target(target, row, num_classes, ignore_index);
-
-    if (threadIdx.x == 0) {
-      // (max - x_t) + log_sum: the difference first, so a loss near 0 keeps its digits.
-      const acc_t row_loss = t.ignored ? acc_t(0)
-                             : t.valid ? (row_max - static_cast<acc_t>(x[t.index])) + log_sum
-                                       : quiet_nan<acc_t>();
-      if (out.loss_per_row != nullptr) static_cast<T*>(out.loss_per_row)[row] = static_cast<T>(row_loss);
-      if (out.lse != nullptr) static_cast<acc_t*>(out.lse)[row] = row_max + log_sum;
-      block_loss += row_loss;
+    const acc_t lse = row_max + log_sum;
+    // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
+    // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
+    // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
+    acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
+    if constexpr (kProbs) {
+      spread_weight = (1 - smoothing) * sums.targets + class_share * sums.weights;
+      spread_logits = (1 - smoothing) * sums.target_logits + class_share * sums.logits;
+    } else {
+      if (counted) target_weight = (1 - smoothing) * class_weight(params.weight, t.index);
+      if constexpr (kClassSums) {
+        spread_weight = class_share * sums.weights;
+        spread_logits = class_share * sums.logits;
+      }
     }
 
-    if (grad_logits != nullptr) {
-      T* g = grad_logits + row * num_classes;
-      const acc_t scale = t.ignored ? acc_t(0) : t.valid ? grad_scale : quiet_nan<acc_t>();
-      const int64_t one_hot = t.one_hot_class();
+    if (threadIdx.x == 0) {
+      acc_t ce = 0, z = 0;
+      if (!t.valid && !t.ignored) {
+        ce = quiet_nan<acc_t>();
+      } else if (!t.ignored) {
+        ce = spread_weight * log_sum - spread_logits;
+        if (!kProbs) ce += target_weight * ((row_max - target_logit) + log_sum);
+        z = z_loss * lse * lse;
+      }
+      if (params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
+      if (params.lse != nullptr) params.lse[row] = lse;
+      block_ce += ce;
+      block_z += z;
+    }
+
+    if (want_grad) {
+      const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : ce_scale;
+      const acc_t sz = params.grad_output != nullptr ? s : z_scale;
+      RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
+      if (!t.valid && !t.ignored) {
+        g.A = g.B = quiet_nan<acc_t>();
+      } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it
+        g.B = target_weight * s;
+        g.a = (1 - smoothing) * s;
+        g.b = class_share * s;
+        g.A = (target_weight + spread_weight) * s + 2 * z_loss * lse * sz;
+        g.one_hot = kProbs ? -1 : t.index;
+      }
+      T* gx = params.grad_logits != nullptr ? params.grad_logits + row * num_classes : nullptr;
+      T* gy = params.grad_target != nullptr ? params.grad_target + row * num_classes : nullptr;
       if (row_in_registers) {
 #pragma unroll
-        for (int k = 0; k < kCachePacks; ++k) {
+        for (int k = 0; k < kPacks; ++k) {
           const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
           if (p < num_packs) {
-            store_pack<T, VEC>(g + p * VEC, grad_pack(cache[k], p * VEC, one_hot, row_max, log_sum, scale));
+            store_grad_pack<T, VEC, kProbs, kClassSums>(cache[k], target_cache[kProbs ? k : 0], p * VEC, g,
+                                                        params.weight, gx, gy);
           }
         }
       } else {
-        store_row_grad<T, VEC>(x, g, num_packs, one_hot, row_max, log_sum, scale);
+        for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+          store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, p * VEC, g, params.weight, gx, gy);
+        });
       }
     }
   }
-  if (out.partials != nullptr && threadIdx.x == 0) out.partials[blockIdx.x] = block_loss;
-}
-
-// Backward of reduction 'none': grad = (softmax - one_hot) * grad_output[row], with
-// the lse the forward saved.
-template <typename T, typename index_t, int VEC>
-__global__ void __launch_bounds__(kMaxThreads) cross_entropy_backward_kernel(
-    const T* __restrict__ logits, const index_t* __restrict__ target,
-    const at::opmath_type<T>* __restrict__ lse, const T* __restrict__ grad_output, int64_t rows,
-    int64_t num_classes, int64_t ignore_index, T* __restrict__ grad_logits) {
-  using acc_t = at::opmath_type<T>;
-  const int64_t num_packs = num_classes / VEC;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* x = logits + row * num_classes;
-    T* g = grad_logits + row * num_classes;
-    const RowTarget t = row_target(target, row, num_classes, ignore_index);
-    const acc_t scale = t.ignored ? acc_t(0) : t.valid ? static_cast<acc_t>(grad_output[row]) : quiet_nan<acc_t>();
-    const int64_t one_hot = t.one_hot_class();
-    store_row_grad<T, VEC>(x, g, num_packs, one_hot, lse[row], acc_t(0), scale);
+  if (params.partials != nullptr && threadIdx.x == 0) {
+    params.partials[blockIdx.x] = block_ce;
+    params.partials[gridDim.x + blockIdx.x] = block_z;
   }
 }
 
 // ---------------------------------------------------------------------------------
-// Host entry points.
+// Host side.
 
-struct RowLaunch {
-  int threads;
-  int64_t grid;
+// The tensors of one call, checked and made contiguous. losses.py checks everything
+// first with friendlier messages; these checks guard direct calls of the ops.
+struct CrossEntropyInputs {
+  at::Tensor logits, target, weight;  // weight: in the accumulation type, or undefined
+  bool probs;                         // target holds class probabilities
+  int64_t ignore_index;
+  double label_smoothing, z_loss;
+
+  CrossEntropyInputs(const at::Tensor& logits_arg, const at::Tensor& target_arg, const at::Tensor& weight_arg,
+                     int64_t ignore_index, double label_smoothing, double z_loss)
+      : ignore_index(ignore_index), label_smoothing(label_smoothing), z_loss(z_loss) {
+    TORCH_CHECK(logits_arg.is_cuda() && logits_arg.dim() == 2, "cross_entropy: input must be 2-D (N, C) on CUDA");
+    TORCH_CHECK(target_arg.device() == logits_arg.device(), "cross_entropy: target must be on input's device");
+    probs = target_arg.is_floating_point();
+    if (probs) {
+      TORCH_CHECK(target_arg.sizes() == logits_arg.sizes() && target_arg.scalar_type() == logits_arg.scalar_type(),
+                  "cross_entropy: probability targets must have input's shape and dtype");
+    } else {
+      TORCH_CHECK(target_arg.dim() == 1 && target_arg.size(0) == logits_arg.size(0),
+                  "cross_entropy: class-index target must have shape (N,)");
+      TORCH_CHECK(target_arg.scalar_type() == at::kLong || target_arg.scalar_type() == at::kInt,
+                  "cross_entropy: class-index target must be int64 or int32");
+    }
+    TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy: label_smoothing must be in [0, 1]");
+    logits = logits_arg.contiguous();
+    target = target_arg.contiguous();
+    if (weight_arg.numel() > 0) {
+      TORCH_CHECK(weight_arg.dim() == 1 && weight_arg.size(0) == logits.size(1) &&
+                      weight_arg.device() == logits.device(),
+                  "cross_entropy: weight must have shape (C,) on input's device");
+      weight = weight_arg.to(accumulation_dtype()).contiguous();
+    }
+  }
+
+  // The lse and the weights are kept in the accumulation type (float, or double for float64).
+  at::ScalarType accumulation_dtype() const {
+    return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  }
 };
 
-// Threads per row: enough that the row fits the register cache, at most kMaxThreads.
-// One block per row, as many blocks as fit on the GPU at once.
-template <typename Kernel>
-RowLaunch row_launch(Kernel kernel, int64_t rows, int64_t num_packs, int device) {
-  int threads = 32;
-  while (threads < kMaxThreads && int64_t(threads) * kCachePacks < num_packs) threads *= 2;
-  return {threads, grid_for(rows * threads, threads, resident_blocks_per_sm(kernel, threads), device)};
-}
-
-// The saved lse is kept in the accumulation type.
-inline at::ScalarType lse_dtype(const at::Tensor& logits) {
-  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-inline void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& target) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2, "cross_entropy: input must be 2-D (N, C) on CUDA");
-  TORCH_CHECK(target.device() == logits.device(), "cross_entropy: target must be on input's device");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "cross_entropy: target must have shape (N,)");
-  TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-              "cross_entropy: target must be int64 or int32 class indices");
-}
-
-// The types a launch is compiled for, passed to a generic lambda as a tag.
-template <typename T, typename index_t, int VEC>
+// The kernel's types, passed to a generic lambda as a tag.
+template <typename T, typename index_t, int VEC, bool kProbs, bool kClassSums>
 struct Config {
   using scalar = T;
   using index = index_t;
   static constexpr int vec = VEC;
+  static constexpr bool probs = kProbs;
+  static constexpr bool class_sums = kClassSums;
 };
 
-// Calls body(Config<scalar_t, index_t, VEC>{}) for the tensors' types and the widest
-// vector width the row layout allows.
+// Calls body(Config<...>{}) for the inputs' types, the widest vector width that every
+// row pointer allows, and whether the class sums are needed (label smoothing, or
+// probability targets).
 template <typename Body>
-void dispatch_cross_entropy(const at::Tensor& logits, const at::Tensor& target, Body body) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy", [&] {
+void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<const void*> row_pointers, Body body) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.logits.scalar_type(), "cross_entropy", [&] {
     constexpr int VEC = vec16<scalar_t>();
-    const bool vector_ok = is_aligned16(logits.data_ptr()) && logits.size(1) % VEC == 0;
-    auto with_index = [&](auto index_zero) {
+    bool vector_ok = in.logits.size(1) % VEC == 0;
+    for (const void* ptr : row_pointers) vector_ok = vector_ok && (ptr == nullptr || is_aligned16(ptr));
+    auto with_vec = [&](auto index_zero, auto probs, auto class_sums) {
       using index_t = decltype(index_zero);
       if (vector_ok) {
-        body(Config<scalar_t, index_t, VEC>{});
+        body(Config<scalar_t, index_t, VEC, decltype(probs)::value, decltype(class_sums)::value>{});
       } else {
-        body(Config<scalar_t, index_t, 1>{});
+        body(Config<scalar_t, index_t, 1, decltype(probs)::value, decltype(class_sums)::value>{});
       }
     };
-    if (target.scalar_type() == at::kLong) {
-      with_index(int64_t(0));
+    using yes = std::true_type;
+    using no = std::false_type;
+    if (in.probs) {
+      with_vec(int64_t(0), yes{}, yes{});
+    } else if (in.target.scalar_type() == at::kLong) {
+      in.label_smoothing != 0.0 ? with_vec(int64_t(0), no{}, yes{}) : with_vec(int64_t(0), no{}, no{});
     } else {
-      with_index(int32_t(0));
+      in.label_smoothing != 0.0 ? with_vec(int32_t(0), no{}, yes{}) : with_vec(int32_t(0), no{}, no{});
     }
   });
 }
 
-// Returns (loss, grad_logits, lse):
-//   scalar reduction: loss is 0-dim; grad_logits is written when want_grad; lse is empty.
-//   'none': loss is (N,); grad_logits is empty; lse ((N,), float32, or float64 for
-//   float64 logits) is written when want_grad, for backward.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits_arg,
-                                                                     const at::Tensor& target_arg,
-                                                                     int64_t ignore_index, int64_t reduction,
-                                                                     bool want_grad) {
-  check_cross_entropy_inputs(logits_arg, target_arg);
-  c10::cuda::CUDAGuard guard(logits_arg.device());
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor logits = logits_arg.contiguous();
-  const at::Tensor target = target_arg.contiguous();
-  const int64_t rows = logits.size(0);
-  const int64_t num_classes = logits.size(1);
-  const bool scalar_loss = reduction != kNone;
-  const auto lse_options = logits.options().dtype(lse_dtype(logits));
-  at::Tensor loss = scalar_loss ? at::empty({}, logits.options()) : at::empty({rows}, logits.options());
-  at::Tensor grad_logits = scalar_loss && want_grad ? at::empty_like(logits) : at::empty({0}, logits.options());
-  at::Tensor lse = !scalar_loss && want_grad ? at::empty({rows}, lse_options) : at::empty({0}, lse_options);
-  if (rows == 0 || num_classes == 0) return {loss, grad_logits, lse};  // losses.py sends these to torch
+// Threads per row: enough that the row fits the register cache, at most kMaxThreads.
+// One block per row, as many blocks as fit on the GPU at once.
+template <typename Kernel>
+std::pair<int, int64_t> row_launch(Kernel kernel, int64_t rows, int64_t num_packs, int cached_packs, int device) {
+  int threads = 32;
+  while (threads < kMaxThreads && int64_t(threads) * cached_packs < num_packs) threads *= 2;
+  return {threads, grid_for(kernel, rows * threads, threads, device)};
+}
 
-  dispatch_cross_entropy(logits, target, [&](auto config) {
-    using T = typename decltype(config)::scalar;
-    using index_t = typename decltype(config)::index;
-    constexpr int VEC = decltype(config)::vec;
-    at::Tensor valid_count;
-    if (reduction == kMean) {
-      valid_count = at::zeros({1}, logits.options().dtype(at::kLong));
+// What a launch writes; undefined tensors are not written.
+struct CrossEntropyOutputs {
+  at::Tensor loss_per_row, lse, grad_logits, grad_target;
+  at::Tensor partials;  // filled in by launch_cross_entropy for scalar reductions
+  at::Tensor divisors;  // likewise, for 'mean' with class indices
+};
+
+template <typename T>
+T* data_or_null_of(const at::Tensor& tensor) {
+  return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
+}
+
+// Runs the kernel for a scalar reduction (`reduction`), reduction 'none' (forward), or
+// the backward of 'none' (grad_output defined).
+inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction, const at::Tensor& grad_output,
+                                 CrossEntropyOutputs& out) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int device = in.logits.get_device();
+  const int64_t rows = in.logits.size(0);
+  const bool scalar_loss = reduction != kNone && !grad_output.defined();
+  dispatch_cross_entropy(in, {in.logits.data_ptr(), in.probs ? in.target.data_ptr() : nullptr,
+                              out.grad_logits.defined() ? out.grad_logits.data_ptr() : nullptr,
+                              out.grad_target.defined() ? out.grad_target.data_ptr() : nullptr},
+                         [&](auto config) {
+    using Cfg = decltype(config);
+    using T = typename Cfg::scalar;
+    using acc_t = at::opmath_type<T>;
+    auto kernel = cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::probs, Cfg::class_sums>;
+    CrossEntropyParams<T> params{};
+    params.logits = in.logits.data_ptr<T>();
+    params.target = in.target.data_ptr();
+    params.weight = data_or_null_of<acc_t>(in.weight);
+    params.rows = rows;
+    params.num_classes = in.logits.size(1);
+    params.ignore_index = in.ignore_index;
+    params.label_smoothing = in.label_smoothing;
+    params.z_loss = in.z_loss;
+    params.ce_scale = reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0;
+    if (scalar_loss && reduction == kMean && !Cfg::probs) {
+      using index_t = typename Cfg::index;
       const int threads = 256;
-      static const int count_blocks_per_sm = resident_blocks_per_sm(count_valid_targets_kernel<index_t>, threads);
-      const int64_t count_grid = grid_for(rows, threads, count_blocks_per_sm, logits.get_device());
-      count_valid_targets_kernel<index_t><<<count_grid, threads, 0, stream>>>(
-          target.data_ptr<index_t>(), rows, ignore_index, valid_count.data_ptr<int64_t>());
+      const int64_t grid = grid_for(count_targets_kernel<index_t, acc_t>, rows, threads, device);
+      out.divisors = at::empty({2, grid}, in.logits.options().dtype(at::kDouble));
+      count_targets_kernel<index_t, acc_t><<<grid, threads, 0, stream>>>(
+          in.target.data_ptr<index_t>(), rows, params.num_classes, in.ignore_index, params.weight,
+          out.divisors.data_ptr<sum_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      params.divisors = out.divisors.data_ptr<sum_t>();
+      params.num_divisors = grid;
     }
-    const RowLaunch launch =
-        row_launch(cross_entropy_forward_kernel<T, index_t, VEC>, rows, num_classes / VEC, logits.get_device());
-    at::Tensor partials = at::empty({scalar_loss ? launch.grid : 0}, logits.options().dtype(at::kDouble));
-    CrossEntropyOutputs out;
-    out.loss_per_row = scalar_loss ? nullptr : loss.data_ptr();
-    out.lse = lse.numel() ? lse.data_ptr() : nullptr;
-    out.partials = scalar_loss ? partials.data_ptr<sum_t>() : nullptr;
-    out.grad_logits = grad_logits.numel() ? grad_logits.data_ptr() : nullptr;
-    out.valid_count = reduction == kMean && want_grad ? valid_count.data_ptr<int64_t>() : nullptr;
-    cross_entropy_forward_kernel<T, index_t, VEC><<<launch.grid, launch.threads, 0, stream>>>(
-        logits.data_ptr<T>(), target.data_ptr<index_t>(), rows, num_classes, ignore_index, out);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    params.grad_output = data_or_null_of<T>(grad_output);
+    params.loss_per_row = data_or_null_of<T>(out.loss_per_row);
+    params.lse = data_or_null_of<acc_t>(out.lse);
+    params.grad_logits = data_or_null_of<T>(out.grad_logits);
+    params.grad_target = data_or_null_of<T>(out.grad_target);
+    const auto launch = row_launch(kernel, rows, params.num_classes / Cfg::vec, cache_packs<Cfg::probs>(), device);
     if (scalar_loss) {
-      finish_sum(partials, 1.0, reduction == kMean ? valid_count.data_ptr<int64_t>() : nullptr, loss);
+      out.partials = at::empty({2, launch.second}, in.logits.options().dtype(at::kDouble));
+      params.partials = out.partials.data_ptr<sum_t>();
     }
+    kernel<<<launch.second, launch.first, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {loss, grad_logits, lse};
 }
 
-// Backward of reduction 'none': grad_output has shape (N,).
-at::Tensor cross_entropy_backward(const at::Tensor& logits_arg, const at::Tensor& target_arg,
-                                  const at::Tensor& lse_arg, const at::Tensor& grad_output_arg,
-                                  int64_t ignore_index) {
-  check_cross_entropy_inputs(logits_arg, target_arg);
-  const int64_t rows = logits_arg.size(0);
-  TORCH_CHECK(lse_arg.numel() == rows && lse_arg.scalar_type() == lse_dtype(logits_arg), "cross_entropy: bad saved lse");
-  TORCH_CHECK(grad_output_arg.numel() == rows && grad_output_arg.scalar_type() == logits_arg.scalar_type(),
-              "cross_entropy: grad_output must have N elements of input's dtype");
-  c10::cuda::CUDAGuard guard(logits_arg.device());
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor logits = logits_arg.contiguous();
-  const at::Tensor target = target_arg.contiguous();
-  const at::Tensor lse = lse_arg.contiguous();
-  const at::Tensor grad_output = grad_output_arg.contiguous();
-  at::Tensor grad_logits = at::empty_like(logits);
-  const int64_t num_classes = logits.size(1);
-  if (grad_logits.numel() == 0) return grad_logits;
-  dispatch_cross_entropy(logits, target, [&](auto config) {
-    using T = typename decltype(config)::scalar;
-    using index_t = typename decltype(config)::index;
-    constexpr int VEC = decltype(config)::vec;
-    const RowLaunch launch =
-        row_launch(cross_entropy_backward_kernel<T, index_t, VEC>, rows, num_classes / VEC, logits.get_device());
-    cross_entropy_backward_kernel<T, index_t, VEC><<<launch.grid, launch.threads, 0, stream>>>(
-        logits.data_ptr<T>(), target.data_ptr<index_t>(), lse.data_ptr<at::opmath_type<T>>(), grad_output.data_ptr<T>(), rows,
-        num_classes, ignore_index, grad_logits.data_ptr<T>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return grad_logits;
+// Forward. Returns (loss, grad_logits, grad_target, lse):
+//   loss: 0-dim for a scalar reduction, (N,) for 'none';
+//   grad_logits / grad_target: written for a scalar reduction when asked for (for 'none'
+//     see cross_entropy_backward); grad_logits is `logits` itself when inplace;
+//   lse: (N,) in the accumulation type when want_lse.
+// Whatever is not written is an empty tensor. An empty `weight` means no weight.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
+    const at::Tensor& logits, const at::Tensor& target, const at::Tensor& weight, int64_t ignore_index,
+    int64_t reduction, double label_smoothing, double z_loss, bool want_grad_logits, bool want_grad_target,
+    bool want_lse, bool inplace) {
+  TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
+              "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
+  c10::cuda::CUDAGuard guard(logits.device());
+  const CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
+  const int64_t rows = in.logits.size(0);
+  const bool scalar_loss = reduction != kNone;
+  const auto options = in.logits.options();
+  const at::Tensor none = at::empty({0}, options);
+  at::Tensor loss = scalar_loss ? at::empty({}, options) : at::empty({rows}, options);
+  CrossEntropyOutputs out;
+  if (!scalar_loss) out.loss_per_row = loss;
+  if (want_lse) out.lse = at::empty({rows}, options.dtype(in.accumulation_dtype()));
+  if (scalar_loss && want_grad_logits) out.grad_logits = inplace ? in.logits : at::empty_like(in.logits);
+  if (scalar_loss && want_grad_target) out.grad_target = at::empty_like(in.logits);
+  if (in.logits.numel() > 0) {  // losses.py sends empty inputs to torch
+    launch_cross_entropy(in, reduction, at::Tensor(), out);
+    if (scalar_loss) finish_sum(out.partials, reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0,
+                                out.divisors, loss);
+  }
+  auto or_none = [&](const at::Tensor& t) { return t.defined() ? t : none; };
+  return {loss, or_none(out.grad_logits), or_none(out.grad_target),
+          out.lse.defined() ? out.lse : at::empty({0}, options.dtype(in.accumulation_dtype()))};
+}
+
+// Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
+// grad_target), empty where not asked for.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
+                                                          const at::Tensor& weight, int64_t ignore_index,
+                                                          double label_smoothing, double z_loss,
+                                                          const at::Tensor& grad_output, bool want_grad_logits,
+                                                          bool want_grad_target) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  const CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  TORCH_CHECK(grad_output.numel() == in.logits.size(0) && grad_output.scalar_type() == in.logits.scalar_type() &&
+                  grad_output.device() == in.logits.device(),
+              "cross_entropy: grad_output must have N elements of input's dtype on input's device");
+  TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
+  const at::Tensor none = at::empty({0}, in.logits.options());
+  CrossEntropyOutputs out;
+  if (want_grad_logits) out.grad_logits = at::empty_like(in.logits);
+  if (want_grad_target) out.grad_target = at::empty_like(in.logits);
+  if (in.logits.numel() > 0 && (want_grad_logits || want_grad_target)) launch_cross_entropy(in, kNone, grad_output.contiguous(), out);
+  return {want_grad_logits ? out.grad_logits : none, want_grad_target ? out.grad_target : none};
 }
 
 }  // namespace fused_losses

@@ -87,3 +87,18 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
         assert ours <= bound, (f"{case} {dtype}: {name} relative error {ours:.3g} vs float64 exceeds "
                                f"max(torch eager's {eager:.3g}, floor {FLOOR[dtype]:.3g})")
     return ours_errors, eager_errors
+
+
+def check_special_values_match_torch(fused, reference, inputs, grad_of=(0,), rtol=1e-6):
+    """For inputs holding NaN, inf or zeros, where a relative error says nothing: ours
+    and torch, in the inputs' dtype, give the same loss and gradients element by
+    element, with NaN and inf (and their signs) in the same places."""
+    results = []
+    for fn in (reference, fused):
+        leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
+        loss = fn(*leaves)
+        loss.backward(torch.ones_like(loss))
+        results.append([loss.detach()] + [leaves[i].grad for i in grad_of])
+    names = ["loss"] + [f"grad of input {i}" for i in grad_of]
+    for name, theirs, ours in zip(names, *results):
+        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")

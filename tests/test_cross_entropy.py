@@ -1,10 +1,12 @@
 """cross_entropy / CrossEntropyLoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import losses
-from helpers import DTYPES, check_against_float64
+from helpers import DTYPES, FLOOR, check_against_float64, check_special_values_match_torch, rel_err
 
 REDUCTIONS = ["mean", "sum", "none"]
 IGNORE = -100
@@ -41,7 +43,7 @@ def test_cpu_matches_torch(shape, reduction):
     assert logits.grad is not None
 
 
-def test_cpu_unfused_arguments_match_torch():
+def test_cpu_weight_smoothing_and_probabilities_match_torch():
     logits, weight = torch.randn(6, 5), torch.rand(5)
     target = class_targets(logits, ignored_fraction=0)
     soft_target = torch.randn(6, 5).softmax(-1)
@@ -50,6 +52,22 @@ def test_cpu_unfused_arguments_match_torch():
     torch.testing.assert_close(losses.cross_entropy(logits, target, label_smoothing=0.1),
                                F.cross_entropy(logits, target, label_smoothing=0.1))
     torch.testing.assert_close(losses.cross_entropy(logits, soft_target), F.cross_entropy(logits, soft_target))
+
+
+def test_cpu_z_loss_and_lse_follow_their_definitions():
+    """z_loss adds z * lse^2 per non-ignored row ('mean': over those rows); return_lse
+    gives logsumexp over the classes. Worked out by hand on a 2-row example."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5]], dtype=torch.float64)
+    target = torch.tensor([2, IGNORE])
+    lse0 = math.log(math.exp(0.0) + math.exp(1.0) + math.exp(2.0))
+    loss, lse = losses.cross_entropy(logits, target, z_loss=0.25, return_lse=True)
+    assert loss.item() == pytest.approx((lse0 - 2.0) + 0.25 * lse0 ** 2, rel=1e-12)
+    assert lse.shape == (2,) and lse.dtype == torch.float64 and not lse.requires_grad
+    assert lse[0].item() == pytest.approx(lse0, rel=1e-12)
+    per_row = losses.cross_entropy(logits, target, z_loss=0.25, reduction="none")
+    assert per_row[1].item() == 0.0
+    half_lse = losses.cross_entropy(logits.half(), target, return_lse=True)[1]
+    assert half_lse.dtype == torch.float32 and half_lse[0].item() == pytest.approx(lse0, rel=1e-3)
 
 
 def test_module_and_legacy_arguments_match_torch():
@@ -62,14 +80,33 @@ def test_module_and_legacy_arguments_match_torch():
 
 def test_bad_arguments_raise_clear_errors():
     logits = torch.randn(6, 5)
-    with pytest.raises(ValueError, match=r"target must have shape \(6,\)"):
-        losses.cross_entropy(logits, torch.zeros(5, dtype=torch.int64))
-    with pytest.raises(ValueError, match="at least 1 dimension"):
-        losses.cross_entropy(torch.tensor(1.0), torch.tensor(0))
-    with pytest.raises(ValueError, match="reduction must be one of"):
-        losses.cross_entropy(logits, class_targets(logits), reduction="batchmean")
-    with pytest.raises(ValueError, match="target is on meta"):
-        losses.cross_entropy(logits, torch.zeros(6, dtype=torch.int64, device="meta"))
+    target = class_targets(logits)
+    bad = [
+        (dict(target=torch.zeros(5, dtype=torch.int64)), r"target must have shape \(6,\)"),
+        (dict(input=torch.tensor(1.0), target=torch.tensor(0)), "at least 1 dimension"),
+        (dict(reduction="batchmean"), "reduction must be one of"),
+        (dict(target=torch.zeros(6, dtype=torch.int64, device="meta")), "target is on meta"),
+        (dict(target=torch.rand(6, 4)), r"class probabilities must have input's shape \(6, 5\)"),
+        (dict(target=torch.rand(6, 5), ignore_index=0), "ignore_index is not supported"),
+        (dict(weight=torch.rand(4)), r"weight must have shape \(5,\)"),
+        (dict(label_smoothing=1.5), "label_smoothing must be between 0.0 and 1.0"),
+        (dict(z_loss=-1.0), "z_loss must be >= 0"),
+        (dict(reduction="none", inplace_backward=True), "inplace_backward=True needs reduction"),
+        (dict(input=torch.randn(6, 5, requires_grad=True), inplace_backward=True), "leaf tensor"),
+    ]
+    for kwargs, message in bad:
+        arguments = dict(input=logits, target=target) | kwargs
+        with pytest.raises(ValueError, match=message):
+            losses.cross_entropy(**arguments)
+
+
+def test_module_takes_our_keyword_arguments():
+    logits = torch.randn(6, 5, dtype=torch.float64)
+    target = class_targets(logits)
+    module = losses.CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-3, return_lse=True)
+    loss, lse = module(logits, target)
+    torch.testing.assert_close(loss, losses.cross_entropy(logits, target, label_smoothing=0.1, z_loss=1e-3))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, 1))
 
 
 # ----------------------------------------------------------------------------------
@@ -169,13 +206,13 @@ def test_deterministic():
 
 @pytest.mark.gpu
 def test_unfused_arguments_fall_back_only_outside_strict_mode(monkeypatch):
+    """uint8 class indices (torch takes them) are not fused: torch runs them, except in strict mode."""
     logits = SHAPES["7x1000"](torch.float32)
-    target, weight = class_targets(logits), torch.rand(1000, device="cuda")
-    with pytest.raises(RuntimeError, match="weight is not fused yet"):
-        losses.cross_entropy(logits, target, weight=weight)
+    target = class_targets(logits, ignored_fraction=0).to(torch.uint8)
+    with pytest.raises(RuntimeError, match="class indices must be int64 or int32 to be fused"):
+        losses.cross_entropy(logits, target)
     monkeypatch.delenv("FUSED_LOSSES_STRICT")
-    torch.testing.assert_close(losses.cross_entropy(logits, target, weight=weight),
-                               F.cross_entropy(logits, target, weight=weight))
+    torch.testing.assert_close(losses.cross_entropy(logits, target), F.cross_entropy(logits, target))
 
 
 @pytest.mark.gpu
@@ -185,3 +222,168 @@ def test_backward_twice_with_retain_graph_raises_clearly():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward through it twice"):
         loss.backward()
+
+
+# ----------------------------------------------------------------------------------
+# GPU: every argument of F.cross_entropy (and our z_loss), crossed, in each regime.
+
+def _options(probs=False, weight=False, ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0):
+    return dict(probs=probs, weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                z_loss=z_loss)
+
+
+OPTIONS = (
+    [_options(weight=w, ignore_index=i, label_smoothing=s) for w in (False, True) for i in (IGNORE, 1)
+     for s in (0.0, 0.1)]
+    + [_options(probs=True, weight=w, label_smoothing=s) for w in (False, True) for s in (0.0, 0.1)]
+    + [_options(z_loss=0.01), _options(weight=True, ignore_index=1, label_smoothing=0.1, z_loss=0.01),
+       _options(probs=True, weight=True, label_smoothing=0.1, z_loss=0.01)]
+)
+
+
+def _option_id(options):
+    parts = ["probabilities" if options["probs"] else "indices"]
+    parts += [f"{name}={value}" for name, value in options.items()
+              if name != "probs" and value != _options()[name]]
+    return ",".join(parts)
+
+
+CROSSED_SHAPES = ["7x1000", "1-D input (C,), 0-dim target", "3-D (N, C, d): classes in dim 1",
+                  "odd C = 1001 (no 16-byte vectors)", "row beyond the register cache (C = 40000, read twice)"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CROSSED_SHAPES)
+def test_arguments_crossed_match_float64(case, dtype, reduction, options):
+    """Each regime x dtype x reduction x argument combination against torch in float64
+    (the z-loss against its definition in torch ops). Probability targets get a
+    gradient too."""
+    logits = SHAPES[case](dtype)
+    class_dim = 1 if logits.dim() > 1 else 0
+    num_classes = logits.shape[class_dim]
+    if options["probs"]:
+        target = torch.randn(logits.shape, device="cuda").softmax(class_dim).to(dtype)
+    else:
+        target = class_targets(logits, ignore_index=options["ignore_index"])
+    inputs = [logits, target]
+    if options["weight"]:
+        inputs.append(torch.rand(num_classes, device="cuda").add(0.1).to(dtype))
+    arguments = dict(ignore_index=options["ignore_index"], reduction=reduction,
+                     label_smoothing=options["label_smoothing"])
+    z_loss = options["z_loss"]
+
+    def fused(x, t, w=None):
+        return losses.cross_entropy(x, t, weight=w, z_loss=z_loss, **arguments)
+
+    def truth(x, t, w=None):
+        return losses._torch_cross_entropy(x, t, w, arguments["ignore_index"], reduction,
+                                           arguments["label_smoothing"], z_loss, False)
+
+    check_against_float64(fused, truth, inputs, grad_of=(0, 1) if options["probs"] else (0,),
+                          case=f"{case} {_option_id(options)} {reduction}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["7x1000", "row beyond the register cache (C = 40000, read twice)"])
+def test_return_lse_matches_float64(case, dtype):
+    logits = SHAPES[case](dtype)
+    target = class_targets(logits)
+    for reduction in REDUCTIONS:
+        for requires_grad in (False, True):
+            x = logits.detach().requires_grad_(requires_grad)
+            loss, lse = losses.cross_entropy(x, target, reduction=reduction, return_lse=True)
+            truth = torch.logsumexp(logits.double(), 1)
+            assert lse.dtype == torch.float32 and lse.shape == target.shape and not lse.requires_grad
+            assert rel_err(lse, truth) <= 2 * FLOOR[torch.float32], (reduction, requires_grad)
+            torch.testing.assert_close(loss, losses.cross_entropy(logits, target, reduction=reduction))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["7x1000", "row beyond the register cache (C = 40000, read twice)",
+                                  "3-D (N, C, d): classes in dim 1"])
+def test_inplace_backward_gives_the_same_gradient_in_the_logits_buffer(case, dtype):
+    source = SHAPES[case](dtype)
+    target = class_targets(source)
+    for options in (dict(), dict(label_smoothing=0.1, z_loss=1e-2)):
+        expected_grads = []
+        for inplace in (False, True):
+            x = source.detach().requires_grad_()
+            logits = x * 1  # a non-leaf, like a model's output
+            logits.retain_grad()
+            loss = losses.cross_entropy(logits, target, inplace_backward=inplace, **options)
+            (loss * 2.5).backward()
+            expected_grads.append((loss.detach(), x.grad))
+        torch.testing.assert_close(expected_grads[1], expected_grads[0], rtol=0, atol=0)
+    x = source.detach().requires_grad_()
+    logits = x * 1
+    if logits.dim() == 2:  # 2-D contiguous logits are overwritten where they lie
+        pointer = logits.data_ptr()
+        losses.cross_entropy(logits, target, inplace_backward=True).backward()
+        assert logits.data_ptr() == pointer and not torch.equal(logits.detach(), source)
+
+
+@pytest.mark.gpu
+def test_inplace_backward_is_guarded_against_later_use_of_the_logits():
+    """exp saves its output for backward: overwriting it must make backward raise, not
+    silently use the gradient as if it were exp's output."""
+    x = SHAPES["7x1000"](torch.float32).requires_grad_()
+    logits = x.exp()
+    loss = losses.cross_entropy(logits, class_targets(logits), inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.gpu
+def test_inplace_backward_saves_the_gradients_memory():
+    x = randn(4096, 8192, dtype=torch.float32).requires_grad_()
+    target = class_targets(x)
+    peaks = []
+    for inplace in (False, True):
+        logits = x * 1
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        losses.cross_entropy(logits, target, inplace_backward=inplace).backward()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        del logits
+        x.grad = None
+    # The gradient of logits is 128 MiB: inplace must not allocate it.
+    assert peaks[0] - peaks[1] >= x.numel() * 4 * 0.9, peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight", [False, True])
+def test_every_target_ignored_with_options_gives_torch_result(weight):
+    logits = SHAPES["7x1000"](torch.float32)
+    target = torch.full((7,), IGNORE, device="cuda")
+    w = torch.rand(1000, device="cuda") if weight else None
+    ours = losses.cross_entropy(logits, target, weight=w, label_smoothing=0.1)
+    theirs = F.cross_entropy(logits, target, weight=w, label_smoothing=0.1)
+    assert torch.isnan(ours) and torch.isnan(theirs)
+    assert losses.cross_entropy(logits, target, weight=w, reduction="sum").item() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("num_classes", [1000, 40000], ids=["row in registers", "row read twice"])
+def test_masked_nan_and_inf_logits_match_torch(num_classes, reduction, label_smoothing):
+    """-inf logits (masked classes), a NaN, a +inf, a row of only -inf, and -inf in the
+    first column (the reference point of the smoothing sums on long rows)."""
+    inf = float("inf")
+    logits = torch.randn(6, num_classes, device="cuda", dtype=torch.float64)
+    target = torch.tensor([1, 2, 3, 4, 5, 6], device="cuda")
+    logits[0, ::3] = -inf
+    logits[1, 5] = float("nan")
+    logits[2, 7] = inf
+    logits[3, :] = -inf
+    logits[4, 0] = -inf
+    check_special_values_match_torch(
+        lambda x, t: losses.cross_entropy(x, t, reduction=reduction, label_smoothing=label_smoothing),
+        lambda x, t: F.cross_entropy(x, t, reduction=reduction, label_smoothing=label_smoothing),
+        [logits, target], rtol=1e-9)

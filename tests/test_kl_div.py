@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import losses
-from helpers import DTYPES, check_against_float64
+from helpers import DTYPES, check_against_float64, check_special_values_match_torch
 
 REDUCTIONS = ["batchmean", "mean", "sum", "none"]
 
@@ -132,3 +132,42 @@ def test_mean_warns_on_the_fused_path_too():
     p, q = probabilities(3, 4, device="cuda").log(), probabilities(3, 4, device="cuda")
     with pytest.warns(UserWarning, match="'mean' divides the total loss by both"):
         losses.kl_div(p, q, reduction="mean")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [((4, 3), (3,)), ((3,), (4, 3)), ((4, 1), (4, 5))], ids=str)
+@pytest.mark.filterwarnings("ignore:reduction. 'mean' divides")
+def test_broadcasting_matches_float64(shapes):
+    inputs = [probabilities(*shapes[0], device="cuda"), probabilities(*shapes[1], device="cuda")]
+    for reduction in REDUCTIONS:
+        check_against_float64(lambda p, q: losses.kl_div(p, q, reduction=reduction, log_input=False),
+                              lambda p, q: reference(p, q, reduction, log_input=False), inputs, grad_of=(0, 1),
+                              case=str(shapes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.float32, torch.bfloat16)], ids=str)
+def test_mixed_dtypes_promote_like_torch(dtypes):
+    inputs = [probabilities(7, 1000, device="cuda", dtype=dtypes[0]).log(),
+              probabilities(7, 1000, device="cuda", dtype=dtypes[1])]
+    check_against_float64(lambda i, t: losses.kl_div(i, t, reduction="batchmean"),
+                          lambda i, t: reference(i, t, "batchmean"), inputs, grad_of=(0, 1), case=str(dtypes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log_input", [True, False], ids=["log_input", "probability_input"])
+@pytest.mark.parametrize("log_target", [False, True], ids=["prob_target", "log_target"])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+def test_zeros_nan_and_inf_follow_torchs_conventions(reduction, log_target, log_input):
+    """q == 0 contributes 0; p == 0 where q > 0 gives inf; NaN stays NaN; gradients too."""
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25], [float("nan"), 0.5, 0.25, 0.25]],
+                     device="cuda", dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.0, 0.5, 0.5, 0.0], [0.25, 0.25, float("nan"), 0.5]],
+                     device="cuda", dtype=torch.float64)
+    input, target = (p.log() if log_input else p), (q.log() if log_target else q)
+    with torch.no_grad():  # log(0) = -inf is an input here, not something to differentiate through
+        input, target = input.clone(), target.clone()
+    check_special_values_match_torch(
+        lambda i, t: losses.kl_div(i, t, reduction=reduction, log_target=log_target, log_input=log_input),
+        lambda i, t: reference(i, t, reduction, log_target, log_input), [input, target], grad_of=(0, 1),
+        rtol=1e-12)
