@@ -75,16 +75,18 @@ __device__ __forceinline__ MaxSum<acc_t> add_pack(MaxSum<acc_t> acc, const Pack<
   for (int k = 0; k < VEC; ++k) pack_max = max_acc(pack_max, static_cast<acc_t>(pack.val[k]));
   const acc_t max = max_acc(acc.max, pack_max);
   if (max == -infinity<acc_t>()) return acc;
-  acc_t sum = acc.sum * exp_acc(acc.max - max);
+  acc_t pack_sum = 0;
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) sum += exp_for<T>(static_cast<acc_t>(pack.val[k]) - max);
-  return {max, sum};
+  for (int k = 0; k < VEC; ++k) pack_sum += exp_for<T>(static_cast<acc_t>(pack.val[k]) - max);
+  return {max, acc.sum * exp_acc(acc.max - max) + pack_sum};
 }
 
 // Sums over a row that label smoothing and probability targets need. Logits enter as
 // x - ref, with ref a logit of the row that the whole block agrees on (the row max when
 // the row is in registers, else its first logit): the sums then hold the spread of the
 // row, not its offset, and lose no digits to cancellation when the loss subtracts them.
+// Each pack is summed in acc_t and the packs in double (sum_t), like the exp sums: a
+// gradient that multiplies p by these sums would otherwise carry their rounding.
 template <typename acc_t>
 struct ClassSums {
   acc_t weights;         // sum_c w_c
@@ -94,6 +96,13 @@ struct ClassSums {
 
   __device__ __forceinline__ ClassSums operator+(const ClassSums& o) const {
     return {weights + o.weights, logits + o.logits, targets + o.targets, target_logits + o.target_logits};
+  }
+  template <typename pack_t>
+  __device__ __forceinline__ void add(const ClassSums<pack_t>& o) {
+    weights += o.weights;
+    logits += o.logits;
+    targets += o.targets;
+    target_logits += o.target_logits;
   }
   // The same sums relative to the row max instead of ref.
   __device__ __forceinline__ ClassSums relative_to(acc_t ref, acc_t row_max) const {
@@ -114,9 +123,11 @@ __device__ __forceinline__ acc_t class_weight(const acc_t* weight, int64_t c) {
   return weight != nullptr ? weight[c] : acc_t(1);
 }
 
+// The class sums of one pack.
 template <bool kProbs, typename T, int VEC, typename acc_t>
-__device__ __forceinline__ void add_class_sums(ClassSums<acc_t>& sums, const Pack<T, VEC>& x, const Pack<T, VEC>& y,
-                                               int64_t first_class, const acc_t* weight, acc_t ref) {
+__device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& x, const Pack<T, VEC>& y,
+                                                           int64_t first_class, const acc_t* weight, acc_t ref) {
+  ClassSums<acc_t> sums{};
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
     const acc_t w = class_weight(weight, first_class + k);
@@ -129,6 +140,7 @@ __device__ __forceinline__ void add_class_sums(ClassSums<acc_t>& sums, const Pac
       sums.target_logits += wx * yk;
     }
   }
+  return sums;
 }
 
 // Visits every pack of a row read from memory (with the matching pack of target
@@ -191,15 +203,14 @@ struct RowTarget {
 // ---------------------------------------------------------------------------------
 // Kernels.
 
-// 'mean' with class indices: per block, the weight (row 0) and the number (row 1) of
-// targets != ignore_index, as doubles in `divisors` (2, gridDim.x). Summed in a fixed
-// order by whoever needs them, so the result is the same every run.
+// The divisors of 'mean' with class indices, the weight and the number of targets !=
+// ignore_index, over rows first, first + stride, ... < rows; summed over the block.
 template <typename index_t, typename acc_t>
-__global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_t num_classes,
-                                     int64_t ignore_index, const acc_t* weight, sum_t* divisors) {
-  __shared__ sum_t scratch[32];
-  sum_t weight_sum = 0, count = 0;
-  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+__device__ __forceinline__ void count_targets(const index_t* target, int64_t first, int64_t stride, int64_t rows,
+                                              int64_t num_classes, int64_t ignore_index, const acc_t* weight,
+                                              sum_t* scratch, sum_t& weight_sum, sum_t& count) {
+  weight_sum = count = 0;
+  for (int64_t r = first; r < rows; r += stride) {
     const int64_t t = static_cast<int64_t>(target[r]);
     if (t == ignore_index) continue;
     count += 1;
@@ -208,11 +219,26 @@ __global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_
   }
   weight_sum = block_sum(weight_sum, scratch);
   count = block_sum(count, scratch);
+}
+
+// Many rows: per block, the two divisors as doubles in `divisors` (2, gridDim.x), summed
+// in a fixed order by whoever needs them, so the result is the same every run.
+template <typename index_t, typename acc_t>
+__global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_t num_classes,
+                                     int64_t ignore_index, const acc_t* weight, sum_t* divisors) {
+  __shared__ sum_t scratch[32];
+  sum_t weight_sum, count;
+  count_targets(target, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x, rows,
+                num_classes, ignore_index, weight, scratch, weight_sum, count);
   if (threadIdx.x == 0) {
     divisors[blockIdx.x] = weight_sum;
     divisors[gridDim.x + blockIdx.x] = count;
   }
 }
+
+// Up to this many rows, every block of the loss kernel counts all targets itself rather
+// than wait for count_targets_kernel: one launch fewer where launches are the cost.
+constexpr int64_t kRowsCountedPerBlock = 1024;
 
 template <typename T>
 struct CrossEntropyParams {
@@ -226,6 +252,7 @@ struct CrossEntropyParams {
   double ce_scale;
   const sum_t* divisors;  // (2, num_divisors), or nullptr
   int64_t num_divisors;
+  sum_t* counted_divisors;  // or, up to kRowsCountedPerBlock rows: every block counts, block 0 writes (2, 1)
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
@@ -245,8 +272,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
   __shared__ MaxSum<acc_t> scratch_pair[32];
-  __shared__ ClassSums<acc_t> scratch_sums[kClassSums ? 32 : 1];
-  __shared__ sum_t scratch_divisor[32];
+  __shared__ ClassSums<sum_t> scratch_sums[kClassSums ? 32 : 1];
+  __shared__ sum_t scratch_sum[32];
   const int64_t num_classes = params.num_classes;
   const int64_t num_packs = num_classes / VEC;
   const bool row_in_registers = num_packs <= int64_t(kPacks) * blockDim.x;
@@ -256,14 +283,27 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   const bool want_grad = params.grad_logits != nullptr || params.grad_target != nullptr;
 
   acc_t ce_scale = static_cast<acc_t>(params.ce_scale), z_scale = ce_scale;
+  if constexpr (!kProbs) {
+    if (params.counted_divisors != nullptr) {
+      sum_t weight_sum, count;
+      count_targets(static_cast<const index_t*>(params.target), threadIdx.x, blockDim.x, params.rows, num_classes,
+                    params.ignore_index, params.weight, scratch_sum, weight_sum, count);
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        params.counted_divisors[0] = weight_sum;
+        params.counted_divisors[1] = count;
+      }
+      ce_scale = static_cast<acc_t>(1.0 / weight_sum);
+      z_scale = static_cast<acc_t>(1.0 / count);
+    }
+  }
   if (params.divisors != nullptr && want_grad) {
     sum_t weight_sum = 0, count = 0;
     for (int64_t i = threadIdx.x; i < params.num_divisors; i += blockDim.x) {
       weight_sum += params.divisors[i];
       count += params.divisors[params.num_divisors + i];
     }
-    ce_scale = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch_divisor));
-    z_scale = static_cast<acc_t>(1.0 / block_sum(count, scratch_divisor));
+    ce_scale = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch_sum));
+    z_scale = static_cast<acc_t>(1.0 / block_sum(count, scratch_sum));
   }
   sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
 
@@ -287,45 +327,53 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
 
     Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
     acc_t row_max, sum;
-    ClassSums<acc_t> sums{};
+    ClassSums<sum_t> sums{};
     if (row_in_registers) {
-      acc_t thread_max = -infinity<acc_t>();
+      // Every load is issued before the first is used: the whole row is in flight at once.
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
         if (p < num_packs) {
           cache[k] = load_pack<T, VEC>(x + p * VEC);
           if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y + p * VEC);
+        }
+      }
+      acc_t thread_max = -infinity<acc_t>();
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) thread_max = max_acc(thread_max, static_cast<acc_t>(cache[k].val[j]));
         }
       }
       row_max = block_allreduce(thread_max, MaxOp(), -infinity<acc_t>(), scratch);
-      acc_t thread_sum = 0;
+      sum_t thread_sum = 0;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
         if (p < num_packs) {
+          acc_t pack_sum = 0;
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) thread_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
+          for (int j = 0; j < VEC; ++j) pack_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
+          thread_sum += pack_sum;
           if constexpr (kClassSums) {
-            add_class_sums<kProbs>(sums, cache[k], target_cache[kProbs ? k : 0], p * VEC, params.weight, row_max);
+            sums.add(pack_class_sums<kProbs>(cache[k], target_cache[kProbs ? k : 0], p * VEC, params.weight, row_max));
           }
         }
       }
-      sum = block_sum(thread_sum, scratch);
+      sum = static_cast<acc_t>(block_sum(thread_sum, scratch_sum));
     } else {
       MaxSum<acc_t> acc = {-infinity<acc_t>(), acc_t(0)};
       for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
-        if constexpr (kClassSums) add_class_sums<kProbs>(sums, xp, yp, p * VEC, params.weight, first_logit);
+        if constexpr (kClassSums) sums.add(pack_class_sums<kProbs>(xp, yp, p * VEC, params.weight, first_logit));
       });
       acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), acc_t(0)}, scratch_pair);
       row_max = acc.max;
       sum = acc.sum;
     }
     if constexpr (kClassSums) {
-      sums = block_allreduce(sums, SumOp<ClassSums<acc_t>>(), ClassSums<acc_t>{}, scratch_sums)
+      sums = block_allreduce(sums, SumOp<ClassSums<sum_t>>(), ClassSums<sum_t>{}, scratch_sums)
                  .relative_to(row_in_registers ? row_max : first_logit, row_max);
     }
     const acc_t log_sum = log_acc(sum);
@@ -335,13 +383,13 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
     // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
     acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
     if constexpr (kProbs) {
-      spread_weight = (1 - smoothing) * sums.targets + class_share * sums.weights;
-      spread_logits = (1 - smoothing) * sums.target_logits + class_share * sums.logits;
+      spread_weight = static_cast<acc_t>((1 - smoothing) * sums.targets + class_share * sums.weights);
+      spread_logits = static_cast<acc_t>((1 - smoothing) * sums.target_logits + class_share * sums.logits);
     } else {
       if (counted) target_weight = (1 - smoothing) * class_weight(params.weight, t.index);
       if constexpr (kClassSums) {
-        spread_weight = class_share * sums.weights;
-        spread_logits = class_share * sums.logits;
+        spread_weight = static_cast<acc_t>(class_share * sums.weights);
+        spread_logits = static_cast<acc_t>(class_share * sums.logits);
       }
     }
 
@@ -526,7 +574,10 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     params.label_smoothing = in.label_smoothing;
     params.z_loss = in.z_loss;
     params.ce_scale = reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0;
-    if (scalar_loss && reduction == kMean && !Cfg::probs) {
+    if (scalar_loss && reduction == kMean && !Cfg::probs && rows <= kRowsCountedPerBlock) {
+      out.divisors = at::empty({2, 1}, in.logits.options().dtype(at::kDouble));
+      params.counted_divisors = out.divisors.data_ptr<sum_t>();
+    } else if (scalar_loss && reduction == kMean && !Cfg::probs) {
       using index_t = typename Cfg::index;
       const int threads = 256;
       const int64_t grid = grid_for(count_targets_kernel<index_t, acc_t>, rows, threads, device);
