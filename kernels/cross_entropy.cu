@@ -40,19 +40,20 @@ constexpr int cache_packs() {
   return kProbs ? 4 : 8;
 }
 
-// Running max and sum of exp(x - max) over part of a row, in acc_t (float, or double
-// for float64 logits).
+// Running max (acc_t: float, or double for float64 logits) and sum of exp(x - max) over
+// part of a row. The sum is kept in double: each pack adds its own float sum, so long
+// rows (an LLM's vocabulary) lose no digits to a long chain of float additions.
 template <typename acc_t>
 struct MaxSum {
   acc_t max;
-  acc_t sum;
+  sum_t sum;
 };
 
 template <typename acc_t>
 __device__ __forceinline__ MaxSum<acc_t> combine(MaxSum<acc_t> a, MaxSum<acc_t> b) {
   const acc_t max = max_acc(a.max, b.max);
   // When both maxima are -inf nothing has been added yet: keep the sum at 0, not NaN.
-  if (max == -infinity<acc_t>()) return {max, acc_t(0)};
+  if (max == -infinity<acc_t>()) return {max, sum_t(0)};
   return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
 }
 
@@ -317,9 +318,13 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       t.valid = t.index >= 0 && t.index < num_classes;
     }
     const bool counted = !t.ignored && t.valid;
-    // Read before the first barrier, after which threads may overwrite the row with its
-    // gradient (inplace_backward).
-    const acc_t target_logit = !kProbs && counted && threadIdx.x == 0 ? static_cast<acc_t>(x[t.index]) : acc_t(0);
+    // The target's logit, for thread 0's loss. Read after the row's loads are issued (its
+    // address waits for the target index), and before the first barrier, after which
+    // threads may overwrite the row with its gradient (inplace_backward).
+    acc_t target_logit = 0;
+    auto read_target_logit = [&] {
+      if (!kProbs && counted && threadIdx.x == 0) target_logit = static_cast<acc_t>(x[t.index]);
+    };
     // The reference of the class sums for a row read in one pass; 0 when x[0] is -inf
     // (a masked class), which would make every x - ref infinite.
     acc_t first_logit = kClassSums && !row_in_registers ? static_cast<acc_t>(x[0]) : acc_t(0);
@@ -338,6 +343,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
           if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y + p * VEC);
         }
       }
+      read_target_logit();
       acc_t thread_max = -infinity<acc_t>();
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
@@ -363,14 +369,15 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       }
       sum = static_cast<acc_t>(block_sum(thread_sum, scratch_sum));
     } else {
-      MaxSum<acc_t> acc = {-infinity<acc_t>(), acc_t(0)};
+      MaxSum<acc_t> acc = {-infinity<acc_t>(), sum_t(0)};
       for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if constexpr (kClassSums) sums.add(pack_class_sums<kProbs>(xp, yp, p * VEC, params.weight, first_logit));
       });
-      acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), acc_t(0)}, scratch_pair);
+      read_target_logit();
+      acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), sum_t(0)}, scratch_pair);
       row_max = acc.max;
-      sum = acc.sum;
+      sum = static_cast<acc_t>(acc.sum);
     }
     if constexpr (kClassSums) {
       sums = block_allreduce(sums, SumOp<ClassSums<sum_t>>(), ClassSums<sum_t>{}, scratch_sums)
