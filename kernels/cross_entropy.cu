@@ -167,10 +167,12 @@ __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_
 
 // A row's gradient, d/dx_c = p_c A - w_c (a y_c + b) - [c == one_hot] B and
 // d/dy_c = a w_c (lse - x_c), already multiplied by the reduction's scale or grad_output.
+// p_c A is computed as exp(x_c - row_max) * A_over_sum: the argument of exp stays small
+// (exp(x_c - lse) would round an argument near -log C, about 1e-6 of p in float32).
 template <typename acc_t>
 struct RowGradient {
-  acc_t row_max, log_sum;  // p_c = exp((x_c - row_max) - log_sum): exact near the max
-  acc_t A, a, b, B;
+  acc_t row_max, log_sum;
+  acc_t A_over_sum, a, b, B;
   int64_t one_hot;  // -1 for none
 };
 
@@ -182,7 +184,7 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
     const acc_t shifted = static_cast<acc_t>(x.val[k]) - g.row_max;
-    acc_t d = exp_for<T>(shifted - g.log_sum) * g.A;
+    acc_t d = exp_for<T>(shifted) * g.A_over_sum;
     if (first_class + k == g.one_hot) d -= g.B;
     if constexpr (kClassSums) {
       const acc_t w = class_weight(weight, first_class + k);
@@ -331,7 +333,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
     if (!isfinite(first_logit)) first_logit = 0;
 
     Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
-    acc_t row_max, sum;
+    acc_t row_max;
+    sum_t sum;
     ClassSums<sum_t> sums{};
     if (row_in_registers) {
       // Every load is issued before the first is used: the whole row is in flight at once.
@@ -367,7 +370,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
           }
         }
       }
-      sum = static_cast<acc_t>(block_sum(thread_sum, scratch_sum));
+      sum = block_sum(thread_sum, scratch_sum);
     } else {
       MaxSum<acc_t> acc = {-infinity<acc_t>(), sum_t(0)};
       for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
@@ -377,13 +380,13 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       read_target_logit();
       acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), sum_t(0)}, scratch_pair);
       row_max = acc.max;
-      sum = static_cast<acc_t>(acc.sum);
+      sum = acc.sum;
     }
     if constexpr (kClassSums) {
       sums = block_allreduce(sums, SumOp<ClassSums<sum_t>>(), ClassSums<sum_t>{}, scratch_sums)
                  .relative_to(row_in_registers ? row_max : first_logit, row_max);
     }
-    const acc_t log_sum = log_acc(sum);
+    const acc_t log_sum = log_acc(static_cast<acc_t>(sum));
     const acc_t lse = row_max + log_sum;
     // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
     // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
@@ -420,12 +423,12 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       const acc_t sz = params.grad_output != nullptr ? s : z_scale;
       RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
       if (!t.valid && !t.ignored) {
-        g.A = g.B = quiet_nan<acc_t>();
+        g.A_over_sum = g.B = quiet_nan<acc_t>();
       } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it
         g.B = target_weight * s;
         g.a = (1 - smoothing) * s;
         g.b = class_share * s;
-        g.A = (target_weight + spread_weight) * s + 2 * z_loss * lse * sz;
+        g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * s + 2 * z_loss * lse * sz) / sum);
         g.one_hot = kProbs ? -1 : t.index;
       }
       T* gx = params.grad_logits != nullptr ? params.grad_logits + row * num_classes : nullptr;
