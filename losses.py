@@ -91,7 +91,10 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     by grad_output on the GPU (a no-op there when it is 1) and hand them to autograd.
     They are held by save_for_backward, which autograd releases before it accumulates,
     so they become .grad without a copy."""
-    if not is_compiling():  # a traced backward may not write to ctx; the compiled graph is functional
+    # Under torch.compile this Python runs once, at trace time, and the compiled graph is
+    # functional: the scale below writes a copy of the saved gradient, so a second
+    # backward is correct there and nothing needs checking.
+    if not is_compiling():
         if ctx.grads_consumed:
             raise RuntimeError("this fused loss computed its gradient in the forward pass and has already "
                                "used it: backward through it twice (retain_graph=True) is not supported")
