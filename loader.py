@@ -226,6 +226,12 @@ def check_toolchain() -> None:
 # ----------------------------------------------------------------------------------
 # Building and loading.
 
+def _cache_write_error(root: Path, error: OSError) -> BuildError:
+    """Read-only, full, or not a directory: says which, and what to do."""
+    return BuildError(f"cannot write the kernel cache at {root} ({error.strerror}); set "
+                      "TORCH_EXTENSIONS_DIR to a writable directory with a few hundred MB free")
+
+
 def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[str, str], verbose: bool):
     check_toolchain()
     # torch < 2.1 guards its build directory with a lock *file* whose mere existence
@@ -258,7 +264,10 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
     seconds = time.perf_counter() - started
-    (build_dir / BUILD_OK).write_text(f"{ext_name}\n")
+    try:
+        (build_dir / BUILD_OK).write_text(f"{ext_name}\n")
+    except OSError as error:  # a disk that filled up during the build
+        raise _cache_write_error(build_dir.parent, error) from None
     print(f"fused_losses: built {name} for sm_{arch.replace('.', '')} in {seconds:.1f} s -> {build_dir}",
           file=sys.stderr, flush=True)
 
@@ -281,8 +290,7 @@ def _open_build(name: str, arch: str, verbose: bool = False):
             build_dir.mkdir(parents=True, exist_ok=True)
             lock_file = open(root / f"{ext_name}.lock", "a")
         except OSError as error:
-            raise BuildError(f"cannot write the kernel cache at {root} ({error.strerror}); set "
-                             "TORCH_EXTENSIONS_DIR to a writable directory with a few hundred MB free") from None
+            raise _cache_write_error(root, error) from None
         with lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes or the process dies
             if not built():  # another process may have built it meanwhile

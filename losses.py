@@ -30,6 +30,14 @@ else:  # a plain folder on sys.path, or a notebook's working directory: import l
 
 __all__ = ["cross_entropy", "kl_div", "mse_loss", "CrossEntropyLoss", "KLDivLoss", "MSELoss"]
 
+# torch.compile traces the losses through stable custom ops (torch >= 2.4: register_fake).
+COMPILE_OPS = hasattr(torch.library, "register_fake")
+if COMPILE_OPS:
+    from torch.compiler import is_compiling
+else:
+    def is_compiling() -> bool:
+        return False
+
 # Same codes as enum Reduction in kernels/common.cuh.
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2, "batchmean": 3}
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -39,6 +47,13 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Shared plumbing.
 
 def _ops(kernel: str, device: torch.device):
+    """The ops of `kernel` (forward, backward, scale_by_grad_output_) for `device`.
+
+    Eagerly: the build itself, from the loader. Under torch.compile: the same ops under
+    stable names (see "Kernel ops under torch.compile" below), which a tracer can follow.
+    """
+    if COMPILE_OPS and is_compiling():
+        return getattr(torch.ops, f"fused_losses_{kernel}")
     return loader.load_for_device(kernel, device)
 
 
@@ -77,17 +92,128 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     by grad_output on the GPU (a no-op there when it is 1) and hand them to autograd.
     They are held by save_for_backward, which autograd releases before it accumulates,
     so they become .grad without a copy."""
-    if ctx.grads_consumed:
-        raise RuntimeError("this fused loss computed its gradient in the forward pass and has already "
-                           "used it: backward through it twice (retain_graph=True) is not supported")
-    ctx.grads_consumed = True
+    # Under torch.compile this Python runs once, at trace time, and the compiled graph is
+    # functional: the scale below writes a copy of the saved gradient, so a second
+    # backward is correct there and nothing needs checking.
+    if not is_compiling():
+        if ctx.grads_consumed:
+            raise RuntimeError("this fused loss computed its gradient in the forward pass and has already "
+                               "used it: backward through it twice (retain_graph=True) is not supported")
+        ctx.grads_consumed = True
     grads = ctx.saved_tensors
-    dtype = next(grad.dtype for grad in grads if grad is not None)
+    present = [grad for grad in grads if grad is not None]
+    dtype = present[0].dtype
     scale = grad_output if grad_output.dim() == 0 and grad_output.dtype == dtype else grad_output.reshape(()).to(dtype)
-    for grad in grads:
-        if grad is not None:
-            ctx.ops.scale_by_grad_output_(grad, scale)
+    ops = _ops(ctx.kernel, grad_output.device)
+    for grad in present:
+        ops.scale_by_grad_output_(grad, scale)
     return grads
+
+
+# ----------------------------------------------------------------------------------
+# Kernel ops under torch.compile.
+#
+# A build's ops live in a namespace named after its arch and content hash, found by the
+# loader, which reads files and takes locks: nothing a tracer can follow. So each
+# kernel's ops are defined once more under a stable name, torch.ops.fused_losses_<kernel>.<op>,
+# with the build's schema. Running one loads the build and calls its op; tracing one
+# runs only its fake, which makes outputs of the right shapes and dtypes. Eager calls
+# skip this layer and call the build directly: a Python custom op's dispatch costs
+# microseconds, which launch-bound losses would feel.
+#
+# KERNEL_OPS mirrors the bindings at the end of each kernels/<kernel>.cu: op name ->
+# (schema without the name, fake). A changed kernel signature changes its row here.
+
+def _pointwise_forward_fake(input, target, reduction, scale, want_grad_input, want_grad_target, *op_args):
+    scalar_loss = reduction != REDUCTION_CODES["none"]
+    loss = input.new_empty(() if scalar_loss else input.shape)
+    grad_input = input.new_empty(input.shape if scalar_loss and want_grad_input else (0,))
+    grad_target = input.new_empty(input.shape if scalar_loss and want_grad_target else (0,))
+    return loss, grad_input, grad_target
+
+
+def _pointwise_backward_fake(input, target, grad_output, want_grad_input, want_grad_target, *op_args):
+    return (input.new_empty(input.shape if want_grad_input else (0,)),
+            input.new_empty(input.shape if want_grad_target else (0,)))
+
+
+def _cross_entropy_forward_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                want_grad_logits, want_grad_target, want_lse, inplace):
+    scalar_loss = reduction != REDUCTION_CODES["none"]
+    rows = logits.shape[0]
+    loss = logits.new_empty(() if scalar_loss else (rows,))
+    grad_logits = logits.new_empty(logits.shape if scalar_loss and want_grad_logits else (0,))
+    grad_target = logits.new_empty(logits.shape if scalar_loss and want_grad_target else (0,))
+    lse_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32  # the kernel's accumulation type
+    lse = logits.new_empty((rows,) if want_lse else (0,), dtype=lse_dtype)
+    return loss, grad_logits, grad_target, lse
+
+
+def _cross_entropy_backward_fake(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
+                                 want_grad_logits, want_grad_target):
+    return (logits.new_empty(logits.shape if want_grad_logits else (0,)),
+            logits.new_empty(logits.shape if want_grad_target else (0,)))
+
+
+def _scale_by_grad_output_fake(grad, grad_output):
+    return None
+
+
+_POINTWISE_FORWARD = ("(Tensor input, Tensor target, int reduction, float scale, bool want_grad_input, "
+                      "bool want_grad_target{}) -> (Tensor, Tensor, Tensor)")
+_POINTWISE_BACKWARD = ("(Tensor input, Tensor target, Tensor grad_output, bool want_grad_input, "
+                       "bool want_grad_target{}) -> (Tensor, Tensor)")
+_SCALE_BY_GRAD_OUTPUT = ("(Tensor(a!) grad, Tensor grad_output) -> ()", _scale_by_grad_output_fake)
+_KL_ARGS = ", bool log_input, bool log_target"
+
+KERNEL_OPS = {
+    "mse": {
+        "forward": (_POINTWISE_FORWARD.format(""), _pointwise_forward_fake),
+        "backward": (_POINTWISE_BACKWARD.format(""), _pointwise_backward_fake),
+        "scale_by_grad_output_": _SCALE_BY_GRAD_OUTPUT,
+    },
+    "kl_div": {
+        "forward": (_POINTWISE_FORWARD.format(_KL_ARGS), _pointwise_forward_fake),
+        "backward": (_POINTWISE_BACKWARD.format(_KL_ARGS), _pointwise_backward_fake),
+        "scale_by_grad_output_": _SCALE_BY_GRAD_OUTPUT,
+    },
+    "cross_entropy": {
+        # inplace=True returns the logits as their gradient: never passed under torch.compile.
+        "forward": ("(Tensor logits, Tensor target, Tensor weight, int ignore_index, int reduction, "
+                    "float label_smoothing, float z_loss, bool want_grad_logits, bool want_grad_target, "
+                    "bool want_lse, bool inplace) -> (Tensor, Tensor, Tensor, Tensor)", _cross_entropy_forward_fake),
+        "backward": ("(Tensor logits, Tensor target, Tensor weight, int ignore_index, float label_smoothing, "
+                     "float z_loss, Tensor grad_output, bool want_grad_logits, bool want_grad_target) "
+                     "-> (Tensor, Tensor)", _cross_entropy_backward_fake),
+        "scale_by_grad_output_": _SCALE_BY_GRAD_OUTPUT,
+    },
+}
+
+
+def _call_build(kernel: str, op: str):
+    def call(*args):
+        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        return getattr(loader.load_for_device(kernel, device), op)(*args)
+    return call
+
+
+def _define_compile_ops() -> list:
+    libraries = []
+    for kernel, ops in KERNEL_OPS.items():
+        namespace = f"fused_losses_{kernel}"
+        if hasattr(getattr(torch.ops, namespace), "forward"):
+            continue  # defined by this file imported under another name (plain folder and package)
+        library = torch.library.Library(namespace, "DEF")
+        for op, (schema, fake) in ops.items():
+            library.define(op + schema)
+            library.impl(op, _call_build(kernel, op), "CUDA")
+            torch.library.register_fake(f"{namespace}::{op}", fake, lib=library)
+        libraries.append(library)
+    return libraries
+
+
+# The definitions last as long as their Library objects.
+_COMPILE_LIBRARIES = _define_compile_ops() if COMPILE_OPS else []
 
 
 # ----------------------------------------------------------------------------------
@@ -96,10 +222,9 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
 class _PointwiseLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, kernel, reduction, scale, op_args, want_grad_input, want_grad_target):
-        ops = _ops(kernel, input.device)
-        loss, grad_input, grad_target = ops.forward(
+        loss, grad_input, grad_target = _ops(kernel, input.device).forward(
             input, target, REDUCTION_CODES[reduction], scale, want_grad_input, want_grad_target, *op_args)
-        ctx.ops, ctx.reduction, ctx.op_args = ops, reduction, op_args
+        ctx.kernel, ctx.reduction, ctx.op_args = kernel, reduction, op_args
         ctx.want_grads = (want_grad_input, want_grad_target)
         ctx.grads_consumed = False
         if reduction == "none":
@@ -113,7 +238,7 @@ class _PointwiseLossFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         if ctx.reduction == "none":
             input, target = ctx.saved_tensors
-            grad_input, grad_target = ctx.ops.backward(
+            grad_input, grad_target = _ops(ctx.kernel, input.device).backward(
                 input, target, grad_output.contiguous(), *ctx.want_grads, *ctx.op_args)
             grad_input = grad_input if ctx.want_grads[0] else None
             grad_target = grad_target if ctx.want_grads[1] else None
@@ -240,17 +365,6 @@ class MSELoss(nn.MSELoss):
 # ----------------------------------------------------------------------------------
 # Cross-entropy.
 
-def _no_tensor(device: torch.device) -> torch.Tensor:
-    """The empty tensor the kernels take for an absent optional tensor (weight)."""
-    cached = _NO_TENSOR.get(device)
-    if cached is None:
-        cached = _NO_TENSOR[device] = torch.empty(0, device=device)
-    return cached
-
-
-_NO_TENSOR: dict = {}
-
-
 class _CrossEntropyFunction(torch.autograd.Function):
     """(N, C) logits; target (N,) class indices or (N, C) probabilities. Returns (loss,
     lse), and with inplace the logits too, whose buffer now holds their gradient: marked
@@ -259,11 +373,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                 want_grad_logits, want_grad_target, want_lse, inplace):
-        ops = _ops("cross_entropy", logits.device)
-        loss, grad_logits, grad_target, lse = ops.forward(
+        loss, grad_logits, grad_target, lse = _ops("cross_entropy", logits.device).forward(
             logits, target, weight, ignore_index, REDUCTION_CODES[reduction], label_smoothing, z_loss,
             want_grad_logits, want_grad_target, want_lse, inplace)
-        ctx.ops, ctx.reduction, ctx.grads_consumed = ops, reduction, False
+        ctx.kernel, ctx.reduction, ctx.grads_consumed = "cross_entropy", reduction, False
         ctx.arguments = (ignore_index, label_smoothing, z_loss)
         ctx.want_grads = (want_grad_logits, want_grad_target)
         ctx.mark_non_differentiable(lse)
@@ -281,7 +394,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output, *unused_grads):
         if ctx.reduction == "none":
             logits, target, weight = ctx.saved_tensors
-            grad_logits, grad_target = ctx.ops.backward(
+            grad_logits, grad_target = _ops(ctx.kernel, logits.device).backward(
                 logits, target, weight, *ctx.arguments, grad_output.contiguous(), *ctx.want_grads)
             grad_logits = grad_logits if ctx.want_grads[0] else None
             grad_target = grad_target if ctx.want_grads[1] else None
@@ -399,11 +512,12 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     else:
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
         rows_target = target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1)
-    weight = weight if weight is not None else _no_tensor(input.device)
+    weight = weight if weight is not None else input.new_empty(0)  # the kernel's "no weight"
     want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
     arguments = (int(ignore_index), reduction, float(label_smoothing), float(z_loss))
     if want_grad_logits or want_grad_target:
-        inplace = inplace_backward and want_grad_logits
+        # Compiled graphs are functional: there the gradient gets its own memory.
+        inplace = inplace_backward and want_grad_logits and not is_compiling()
         if inplace and not logits.is_contiguous():
             logits = logits.contiguous()
         loss, lse = _CrossEntropyFunction.apply(logits, rows_target, weight, *arguments, want_grad_logits,

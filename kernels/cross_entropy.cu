@@ -632,7 +632,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   const int64_t rows = in.logits.size(0);
   const bool scalar_loss = reduction != kNone;
   const auto options = in.logits.options();
-  const at::Tensor none = at::empty({0}, options);
   at::Tensor loss = scalar_loss ? at::empty({}, options) : at::empty({rows}, options);
   CrossEntropyOutputs out;
   if (!scalar_loss) out.loss_per_row = loss;
@@ -644,8 +643,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
     if (scalar_loss) finish_sum(out.partials, reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0,
                                 out.divisors, loss);
   }
-  auto or_none = [&](const at::Tensor& t) { return t.defined() ? t : none; };
-  return {loss, or_none(out.grad_logits), or_none(out.grad_target),
+  // Each output a tensor of its own (an empty one where not written): outputs that
+  // alias each other break torch.compile's view of the op.
+  auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, options); };
+  return {loss, or_empty(out.grad_logits), or_empty(out.grad_target),
           out.lse.defined() ? out.lse : at::empty({0}, options.dtype(in.accumulation_dtype()))};
 }
 
@@ -662,12 +663,12 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logi
                   grad_output.device() == in.logits.device(),
               "cross_entropy: grad_output must have N elements of input's dtype on input's device");
   TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
-  const at::Tensor none = at::empty({0}, in.logits.options());
   CrossEntropyOutputs out;
   if (want_grad_logits) out.grad_logits = at::empty_like(in.logits);
   if (want_grad_target) out.grad_target = at::empty_like(in.logits);
   if (in.logits.numel() > 0 && (want_grad_logits || want_grad_target)) launch_cross_entropy(in, kNone, grad_output.contiguous(), out);
-  return {want_grad_logits ? out.grad_logits : none, want_grad_target ? out.grad_target : none};
+  return {want_grad_logits ? out.grad_logits : at::empty({0}, in.logits.options()),
+          want_grad_target ? out.grad_target : at::empty({0}, in.logits.options())};
 }
 
 }  // namespace fused_losses

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go, for a machine with a CUDA GPU and torch/ninja/pytest
 # installed: build every kernel for this GPU (in parallel), run the full test suite,
-# then the benchmark. Logs go to $OUT (or ./gpu_suite_out).
+# then the benchmark. Logs go to $OUT (or ./gpu_suite_out). RUN_SANITIZER=1 also runs
+# scripts/sanitize.sh (compute-sanitizer over every kernel) after the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_suite_out}
@@ -21,6 +22,9 @@ echo "builds: $(( $(date +%s) - start )) s"; cat "$OUT"/build_*.log | grep -v Wa
 
 FUSED_LOSSES_BUILD_ARCHS="$arch" python3 -m pytest -q -p no:cacheprovider "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -n 60
 test_status=${PIPESTATUS[0]}
+if [ "${RUN_SANITIZER:-0}" = 1 ]; then
+  scripts/sanitize.sh "$OUT/sanitizer" || test_status=1
+fi
 if [ -f bench.py ] && [ -z "${SKIP_BENCH:-}" ]; then
   python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
 fi

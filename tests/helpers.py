@@ -1,4 +1,5 @@
-"""The one test pattern all three losses share.
+"""The one test pattern all three losses share, and the table of losses (LOSSES) for
+the tests that run every loss alike.
 
 check_against_float64 runs a loss three ways on the same inputs: torch on float64
 copies (the truth), torch eager in the dtype under test, and ours; then checks that
@@ -8,8 +9,12 @@ Our outputs land in memory poisoned with NaN first, so an element the kernel did
 write shows up as an error.
 """
 import math
+from typing import Callable, NamedTuple, Tuple
 
 import torch
+import torch.nn.functional as F
+
+import losses
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -45,7 +50,8 @@ def poison_allocator(*tensors_like):
     del blocks
 
 
-def _run(loss_fn, inputs, grad_of, grad_output):
+def loss_and_grads(loss_fn, inputs, grad_of, grad_output):
+    """loss_fn(*inputs) and the gradients of the inputs at grad_of, from grad_output."""
     leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
     loss = loss_fn(*leaves)
     loss.backward(grad_output.to(loss.dtype).reshape(loss.shape))
@@ -68,14 +74,14 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
     grad_output = grad_output.to(inputs[0].device)
     del probe
 
-    truth_loss, truth_grads = _run(reference, as_float64, grad_of, grad_output.double())
+    truth_loss, truth_grads = loss_and_grads(reference, as_float64, grad_of, grad_output.double())
     del as_float64
-    eager_loss, eager_grads = _run(reference, inputs, grad_of, grad_output)
+    eager_loss, eager_grads = loss_and_grads(reference, inputs, grad_of, grad_output)
     eager_errors = [rel_err(eager_loss, truth_loss)] + [rel_err(g, t) for g, t in zip(eager_grads, truth_grads)]
     del eager_grads
 
     poison_allocator(*(inputs[i] for i in grad_of), eager_loss)
-    ours_loss, ours_grads = _run(fused, inputs, grad_of, grad_output)
+    ours_loss, ours_grads = loss_and_grads(fused, inputs, grad_of, grad_output)
     assert ours_loss.dtype == eager_loss.dtype and ours_loss.shape == eager_loss.shape, case
     for grad, i in zip(ours_grads, grad_of):
         assert grad is not None and grad.shape == inputs[i].shape and grad.dtype == inputs[i].dtype, case
@@ -102,3 +108,66 @@ def check_special_values_match_torch(fused, reference, inputs, grad_of=(0,), rto
     names = ["loss"] + [f"grad of input {i}" for i in grad_of]
     for name, theirs, ours in zip(names, *results):
         torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------
+# Every fused loss, for the tests that treat all of them alike (GPU inputs).
+
+class Loss(NamedTuple):
+    fused: Callable            # reduction -> ours, called on the inputs
+    reference: Callable        # reduction -> torch's, called on the inputs
+    inputs: Callable           # (rows, cols, dtype) -> list of CUDA tensors, fresh random values
+    grad_of: Tuple[int, ...]   # inputs that can get gradients
+    reductions: Tuple[str, ...]
+
+
+def random_logits(rows, cols, dtype):
+    return torch.randn(rows, cols, device="cuda").mul(2).to(dtype)
+
+
+def random_probabilities(rows, cols, dtype):
+    return torch.randn(rows, cols, device="cuda").softmax(-1).to(dtype)
+
+
+def random_class_targets(rows, cols, ignore_index=-100):
+    """int64 class indices in [0, cols), about a quarter of them ignore_index."""
+    target = torch.randint(0, cols, (rows,), device="cuda")
+    return target.masked_fill(torch.rand(rows, device="cuda") < 0.25, ignore_index)
+
+
+LOSSES = {
+    "mse_loss": Loss(
+        fused=lambda reduction: lambda x, y: losses.mse_loss(x, y, reduction=reduction),
+        reference=lambda reduction: lambda x, y: F.mse_loss(x, y, reduction=reduction),
+        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_logits(rows, cols, dtype)],
+        grad_of=(0, 1), reductions=("mean", "sum", "none")),
+    "kl_div": Loss(  # probabilities in, the log fused: the seeds' use
+        fused=lambda reduction: lambda p, q: losses.kl_div(p, q, reduction=reduction, log_input=False),
+        reference=lambda reduction: lambda p, q: F.kl_div(torch.log(p), q, reduction=reduction),
+        inputs=lambda rows, cols, dtype: [random_probabilities(rows, cols, dtype),
+                                          random_probabilities(rows, cols, dtype)],
+        grad_of=(0, 1), reductions=("batchmean", "sum", "none")),
+    "cross_entropy": Loss(
+        fused=lambda reduction: lambda x, t: losses.cross_entropy(x, t, reduction=reduction),
+        reference=lambda reduction: lambda x, t: F.cross_entropy(x, t, reduction=reduction),
+        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_class_targets(rows, cols)],
+        grad_of=(0,), reductions=("mean", "sum", "none")),
+    # The other kernel paths: class sums (label smoothing), weights, z-loss; soft labels.
+    "cross_entropy weight+smoothing+z": Loss(
+        fused=lambda reduction: lambda x, t: losses.cross_entropy(
+            x, t, weight=class_weights(x), reduction=reduction, label_smoothing=0.1, z_loss=1e-3),
+        reference=lambda reduction: lambda x, t: losses._torch_cross_entropy(
+            x, t, class_weights(x), -100, reduction, 0.1, 1e-3, False),
+        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_class_targets(rows, cols)],
+        grad_of=(0,), reductions=("mean", "sum", "none")),
+    "cross_entropy probabilities": Loss(
+        fused=lambda reduction: lambda x, y: losses.cross_entropy(x, y, reduction=reduction, label_smoothing=0.1),
+        reference=lambda reduction: lambda x, y: F.cross_entropy(x, y, reduction=reduction, label_smoothing=0.1),
+        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_probabilities(rows, cols, dtype)],
+        grad_of=(0, 1), reductions=("mean", "sum", "none")),
+}
+
+
+def class_weights(logits):
+    """Per-class weights from 0.5 to 1.5, in the logits' dtype and device."""
+    return torch.linspace(0.5, 1.5, logits.shape[1], device=logits.device, dtype=logits.dtype)

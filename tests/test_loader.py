@@ -1,4 +1,5 @@
 """loader.py without compiling anything: cache keys, names, locks and error messages (CPU, CI)."""
+import errno
 import fcntl
 import os
 import signal
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -209,5 +211,27 @@ def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
         read_only.mkdir(mode=0o500)
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(read_only))
     with pytest.raises(loader.BuildError, match="TORCH_EXTENSIONS_DIR to a writable directory"):
+        loader.load("mse", arch="9.0")
+    loader.reload()
+
+
+def test_full_cache_disk_is_a_clear_error(monkeypatch, tmp_path):
+    """No space left when the cache directory is made, or when the finished build's marker
+    is written (the compiler itself reports ENOSPC in its own output)."""
+    loader.reload()
+    monkeypatch.setattr(loader, "_loaded_extensions", set())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader.Path, "mkdir", disk_full)
+        with pytest.raises(loader.BuildError, match="No space left on device.*TORCH_EXTENSIONS_DIR"):
+            loader.load("mse", arch="9.0")
+    monkeypatch.setattr(loader, "check_toolchain", lambda: None)
+    monkeypatch.setattr(loader, "_cpp_extension", lambda: types.SimpleNamespace(load_inline=lambda **kwargs: None))
+    monkeypatch.setattr(loader.Path, "write_text", disk_full)
+    with pytest.raises(loader.BuildError, match="No space left on device.*TORCH_EXTENSIONS_DIR"):
         loader.load("mse", arch="9.0")
     loader.reload()

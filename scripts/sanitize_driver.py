@@ -1,0 +1,85 @@
+"""Runs every fused kernel once per regime, for compute-sanitizer (scripts/sanitize.sh).
+
+Each loss x float32/float16/bfloat16 x reduction, forward without grad, and forward +
+backward with grad (backward from 2.5, so the in-place scale runs too), on odd shapes:
+a vector body with a scalar tail, one element, a misaligned view, and for
+cross-entropy rows in registers (C = 5) and beyond them (C = 40000), with weight, label
+smoothing, z-loss, probability targets and inplace_backward.
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ["FUSED_LOSSES_STRICT"] = "1"  # a torch fallback would leave a kernel unchecked
+import losses  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def misaligned(rows, cols, dtype):
+    """A view one element into its storage: no 16-byte vectors."""
+    return torch.randn(rows * cols + 1, device="cuda", dtype=dtype)[1:].view(rows, cols)
+
+
+def pointwise_shapes(dtype):
+    yield torch.randn(7, 1000, device="cuda", dtype=dtype)
+    yield torch.randn(3, 4099, device="cuda", dtype=dtype)  # 4099: scalar tail
+    yield torch.randn(1, 1, device="cuda", dtype=dtype)
+    yield misaligned(3, 1001, dtype)
+
+
+def logits_shapes(dtype):
+    yield torch.randn(7, 1000, device="cuda", dtype=dtype)
+    yield torch.randn(3, 4099, device="cuda", dtype=dtype)
+    yield torch.randn(1, 1, device="cuda", dtype=dtype)
+    yield misaligned(3, 1001, dtype)
+    yield torch.randn(9, 5, device="cuda", dtype=dtype)  # C = 5: many rows per block's worth
+    yield torch.randn(3, 40000, device="cuda", dtype=dtype)  # beyond the register cache: read twice
+
+
+def run(loss_fn, inputs, grad_of):
+    with torch.no_grad():
+        loss_fn(*inputs)
+    leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
+    loss = loss_fn(*leaves)
+    loss.backward(torch.full_like(loss, 2.5))
+
+
+def main():
+    for dtype in DTYPES:
+        for x in pointwise_shapes(dtype):
+            y = torch.randn_like(x)
+            for reduction in ("mean", "sum", "none"):
+                run(lambda a, b: losses.mse_loss(a, b, reduction=reduction), [x, y], (0, 1))
+            p, q = x.sigmoid() + 0.01, y.sigmoid()
+            for reduction in ("batchmean", "sum", "none"):
+                for log_input in (False, True):
+                    for log_target in (False, True):
+                        inputs = [p if not log_input else p.log(), q if not log_target else q.log()]
+                        run(lambda a, b: losses.kl_div(a, b, reduction=reduction, log_target=log_target,
+                                                       log_input=log_input), inputs, (0, 1))
+        for logits in logits_shapes(dtype):
+            rows, classes = logits.shape
+            target = torch.randint(0, classes, (rows,), device="cuda")
+            target[0] = -100  # one ignored row
+            weight = torch.rand(classes, device="cuda", dtype=dtype)
+            probabilities = torch.randn(rows, classes, device="cuda").softmax(1).to(dtype)
+            for reduction in ("mean", "sum", "none"):
+                for index_dtype in (torch.int64, torch.int32):
+                    run(lambda a, t: losses.cross_entropy(a, t, reduction=reduction),
+                        [logits, target.to(index_dtype)], (0,))
+                run(lambda a, t: losses.cross_entropy(a, t, weight=weight, reduction=reduction, label_smoothing=0.1,
+                                                      z_loss=1e-3), [logits, target], (0,))
+                run(lambda a, y: losses.cross_entropy(a, y, weight=weight, reduction=reduction, label_smoothing=0.1),
+                    [logits, probabilities], (0, 1))
+            run(lambda a, t: losses.cross_entropy(a * 1, t, inplace_backward=True, return_lse=True)[0],
+                [logits, target], (0,))
+    torch.cuda.synchronize()
+    print("sanitize_driver: every kernel ran")
+
+
+if __name__ == "__main__":
+    main()

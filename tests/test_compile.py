@@ -1,0 +1,312 @@
+"""torch.compile(fullgraph=True) through each loss, forward and backward, equal to eager.
+
+On the GPU the real kernels run (torch >= 2.4). On CPU (CI) the same tracing runs with
+the kernels replaced by the Python models below, registered as the CPU implementation of
+the stable ops: that proves the losses trace without a graph break, the fakes agree with
+the ops' outputs, and the in-place backward survives compilation.
+"""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import loader
+import losses
+
+needs_compile_ops = pytest.mark.skipif(
+    not losses.COMPILE_OPS,
+    reason=f"torch {torch.__version__} has no torch.library.register_fake (2.4+): the losses run eagerly only")
+
+NONE, MEAN = losses.REDUCTION_CODES["none"], losses.REDUCTION_CODES["mean"]
+
+
+# ----------------------------------------------------------------------------------
+# Each loss inside a small model step: logits = x @ weight, then the loss.
+
+def model_step(loss):
+    def step(weight, x, target):
+        return loss(x @ weight, target)
+    return step
+
+
+STEPS = {
+    "cross_entropy mean": model_step(lambda logits, t: losses.cross_entropy(logits, t)),
+    "cross_entropy none": model_step(lambda logits, t: losses.cross_entropy(logits, t, reduction="none")),
+    "cross_entropy every option": model_step(lambda logits, t: losses.cross_entropy(
+        logits, t, weight=torch.linspace(0.5, 1.5, logits.shape[1], device=logits.device), label_smoothing=0.1,
+        z_loss=1e-3, inplace_backward=True)),
+    "mse_loss mean": model_step(lambda out, y: losses.mse_loss(out, y)),
+    "mse_loss none": model_step(lambda out, y: losses.mse_loss(out, y, reduction="none")),
+    "kl_div log_input=False": model_step(
+        lambda logits, q: losses.kl_div(logits.softmax(-1), q, reduction="batchmean", log_input=False)),
+    "kl_div log_input=True": model_step(
+        lambda logits, q: losses.kl_div(logits.log_softmax(-1), q, reduction="batchmean")),
+}
+
+
+def step_inputs(case, device):
+    weight = torch.randn(32, 100, device=device) / 6
+    x = torch.randn(64, 32, device=device)
+    if case.startswith("cross_entropy"):
+        target = torch.randint(0, 100, (64,), device=device)
+        target[::7] = -100  # some ignored rows
+    elif case.startswith("kl_div"):
+        target = torch.randn(64, 100, device=device).softmax(-1)
+    else:
+        target = torch.randn(64, 100, device=device)
+    return weight, x, target
+
+
+def run_step(step, weight, x, target):
+    """Loss and the weight's gradient; backward from 2.5 (scalar) or from 0.5..1.5 (per
+    element), so a gradient the forward wrote must be scaled."""
+    weight = weight.detach().requires_grad_()
+    loss = step(weight, x, target)
+    grad_output = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).reshape(loss.shape)
+    grad_output = torch.full_like(loss, 2.5) if loss.dim() == 0 else grad_output
+    loss.backward(grad_output)
+    return loss.detach(), weight.grad
+
+
+def check_compiled_matches_eager(case, device, backend):
+    torch._dynamo.reset()
+    inputs = step_inputs(case, device)
+    eager = run_step(STEPS[case], *inputs)
+    compiled_step = torch.compile(STEPS[case], fullgraph=True, backend=backend)
+    for _ in range(2):  # the second call runs the cached graph
+        torch.testing.assert_close(run_step(compiled_step, *inputs), eager)
+
+
+# ----------------------------------------------------------------------------------
+# Python models of the kernel ops: same signatures and outputs as kernels/*.cu.
+
+def pointwise_model(math):
+    """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element."""
+    def forward(input, target, reduction, scale, want_grad_input, want_grad_target, *op_args):
+        loss, grad_input, grad_target = math(input, target, *op_args)
+        if reduction == NONE:
+            return loss, input.new_empty(0), input.new_empty(0)  # outputs never alias each other
+        return (loss.double().sum().mul(scale).to(input.dtype),
+                grad_input * scale if want_grad_input else input.new_empty(0),
+                grad_target * scale if want_grad_target else input.new_empty(0))
+
+    def backward(input, target, grad_output, want_grad_input, want_grad_target, *op_args):
+        _, grad_input, grad_target = math(input, target, *op_args)
+        return (grad_input * grad_output if want_grad_input else input.new_empty(0),
+                grad_target * grad_output if want_grad_target else input.new_empty(0))
+
+    return forward, backward
+
+
+def squared_error(x, y):
+    return (x - y) ** 2, 2 * (x - y), -2 * (x - y)
+
+
+def kl_div_terms(input, target, log_input, log_target):
+    log_p = input if log_input else input.log()
+    q = target.exp() if log_target else target
+    grad_input = -q if log_input else -q / input
+    if log_target:
+        loss = q * (target - log_p)
+        return loss, grad_input, loss + q
+    return torch.xlogy(q, q) - q * log_p, grad_input, q.log() + 1 - log_p
+
+
+REDUCTION_NAMES = {code: name for name, code in losses.REDUCTION_CODES.items()}
+
+
+def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, want_grads,
+                        grad_output=None):
+    """The loss by torch's formula (losses._torch_cross_entropy), and the gradients of
+    logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
+    (an op's implementation runs below autograd). In the accumulation type."""
+    acc_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(acc_dtype)
+    rows, num_classes = x.shape
+    probs = target.is_floating_point()
+    w = weight.to(acc_dtype) if weight.numel() else x.new_ones(num_classes)
+    loss = losses._torch_cross_entropy(x, target.to(acc_dtype) if probs else target, weight.to(acc_dtype)
+                                       if weight.numel() else None, ignore_index, reduction, label_smoothing,
+                                       z_loss, False)
+    log_softmax, lse = x.log_softmax(1), x.logsumexp(1)
+    p = log_softmax.exp()
+    share = label_smoothing / num_classes
+    if probs:
+        y = (1 - label_smoothing) * target.to(acc_dtype) + share
+        counted = x.new_ones(rows)
+        grad_x = p * (w * y).sum(1, keepdim=True) - w * y
+        grad_y = -(1 - label_smoothing) * w * log_softmax
+        divisor = z_divisor = rows
+    else:
+        counted = (target != ignore_index).to(acc_dtype)
+        classes = target.long().masked_fill(target == ignore_index, 0)
+        w_t = w[classes] * counted
+        grad_x = (1 - label_smoothing) * w_t[:, None] * (p - F.one_hot(classes, num_classes)) \
+            + share * (w.sum() * p - w) * counted[:, None]
+        grad_y = None
+        divisor, z_divisor = w_t.sum(), counted.sum()
+    if reduction == "none":
+        scale = z_scale = x.new_ones(rows) if grad_output is None else grad_output.to(acc_dtype)
+    elif reduction == "mean":
+        scale, z_scale = 1 / divisor, 1 / z_divisor
+    else:
+        scale = z_scale = 1.0
+    grad_x = grad_x * scale[:, None] if reduction == "none" else grad_x * scale
+    grad_x = grad_x + 2 * z_loss * (lse * counted * z_scale)[:, None] * p
+    if grad_y is not None:
+        grad_y = grad_y * scale[:, None] if reduction == "none" else grad_y * scale
+    grads = [grad.to(logits.dtype) if wanted else logits.new_empty(0) for grad, wanted in zip((grad_x, grad_y), want_grads)]
+    return loss, grads, lse
+
+
+def cross_entropy_forward(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                          want_grad_logits, want_grad_target, want_lse, inplace):
+    name = REDUCTION_NAMES[reduction]
+    wants = (want_grad_logits, want_grad_target) if name != "none" else (False, False)
+    loss, grads, lse = cross_entropy_terms(logits, target, weight, ignore_index, name, label_smoothing, z_loss,
+                                           wants)
+    return loss.to(logits.dtype), grads[0], grads[1], lse if want_lse else lse.new_empty(0)
+
+
+def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
+                           want_grad_logits, want_grad_target):
+    _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, "none", label_smoothing, z_loss,
+                                      (want_grad_logits, want_grad_target), grad_output.to(logits.dtype))
+    return tuple(grads)
+
+
+def scale_by_grad_output_(grad, grad_output):
+    grad.mul_(grad_output)
+
+
+MODELS = {
+    "mse": pointwise_model(squared_error),
+    "kl_div": pointwise_model(kl_div_terms),
+    "cross_entropy": (cross_entropy_forward, cross_entropy_backward),
+}
+
+
+@pytest.fixture
+def kernels_modelled_on_cpu(monkeypatch):
+    """CPU tensors take the fused path, and the stable ops run the models through the
+    same loader call a CUDA tensor takes."""
+    builds = {kernel: types.SimpleNamespace(forward=forward, backward=backward,
+                                            scale_by_grad_output_=scale_by_grad_output_)
+              for kernel, (forward, backward) in MODELS.items()}
+    monkeypatch.setattr(loader, "load_for_device", lambda kernel, device: builds[kernel])
+    monkeypatch.setattr(losses, "_pointwise_fusable", lambda input, target: None)
+    monkeypatch.setattr(losses, "_cross_entropy_fusable", lambda *args: None)
+    libraries = []
+    for kernel, ops in losses.KERNEL_OPS.items():
+        library = torch.library.Library(f"fused_losses_{kernel}", "IMPL")
+        for op in ops:
+            library.impl(op, losses._call_build(kernel, op), "CPU")
+        libraries.append(library)
+    yield
+    for library in libraries:
+        library._destroy()
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------
+# The fakes: outputs of the shapes and dtypes the ops give.
+
+def op_calls(device):
+    """(kernel, op, args) covering every op and every output-shaping argument."""
+    x, y = torch.rand(6, 10, device=device) + 0.1, torch.rand(6, 10, device=device) + 0.1
+    calls = []
+    for kernel, op_args in (("mse", ()), ("kl_div", (False, False))):
+        for reduction in (NONE, MEAN):
+            for wants in ((True, False), (False, True), (True, True), (False, False)):
+                calls.append((kernel, "forward", (x, y, reduction, 0.5, *wants, *op_args)))
+        calls.append((kernel, "backward", (x, y, torch.rand_like(x), True, False, *op_args)))
+        calls.append((kernel, "backward", (x, y, torch.rand_like(x), False, True, *op_args)))
+        calls.append((kernel, "scale_by_grad_output_", (x.clone(), torch.tensor(2.0, device=device))))
+    for dtype in (torch.float32, torch.float64):
+        logits = torch.randn(6, 10, device=device, dtype=dtype).t()  # non-contiguous: outputs are not
+        no_weight, weight = logits.new_empty(0), torch.rand(6, device=device, dtype=dtype)
+        indices = torch.randint(0, 6, (10,), device=device)
+        probabilities = torch.rand(10, 6, device=device, dtype=dtype).softmax(1)
+        grad_output = torch.rand(10, device=device, dtype=dtype)
+        for target, weights in ((indices, no_weight), (probabilities, weight)):
+            probs = target.is_floating_point()
+            for reduction in (NONE, MEAN):
+                for want_grad_logits, want_lse in ((True, False), (False, True)):
+                    calls.append(("cross_entropy", "forward", (logits, target, weights, -100, reduction, 0.1, 1e-3,
+                                                               want_grad_logits, probs, want_lse, False)))
+            calls.append(("cross_entropy", "backward", (logits, target, weights, -100, 0.1, 1e-3, grad_output,
+                                                        True, probs)))
+    return calls
+
+
+def check_fakes_match_the_ops(device):
+    for kernel, op, args in op_calls(device):
+        stable_op = getattr(getattr(torch.ops, f"fused_losses_{kernel}"), op)
+        real = stable_op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = stable_op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        real = real if isinstance(real, tuple) else (real,)
+        fake = fake if isinstance(fake, tuple) else (fake,)
+        assert len(real) == len(fake), (kernel, op)
+        for index, (r, f) in enumerate(zip(real, fake)):
+            if r is None:
+                assert f is None, (kernel, op, index)
+                continue
+            where = f"{kernel}.{op} output {index}"
+            assert (f.shape, f.dtype, f.device, f.stride()) == (r.shape, r.dtype, r.device, r.stride()), where
+
+
+# ----------------------------------------------------------------------------------
+# CPU (CI): tracing with the models.
+
+@needs_compile_ops
+@pytest.mark.parametrize("case", list(STEPS))
+def test_compiles_without_graph_break_on_cpu_models(case, kernels_modelled_on_cpu):
+    """aot_eager: dynamo and AOTAutograd (where a graph break or the in-place backward
+    would fail) without code generation, which the GPU test adds."""
+    check_compiled_matches_eager(case, "cpu", backend="aot_eager")
+
+
+@needs_compile_ops
+def test_fakes_match_the_cpu_models(kernels_modelled_on_cpu):
+    check_fakes_match_the_ops("cpu")
+
+
+@needs_compile_ops
+def test_fake_outputs_on_cuda_need_no_gpu():
+    """Tracing a CUDA program happens on fake tensors: the fakes run without a GPU."""
+    with FakeTensorMode():
+        logits = torch.empty(5, 7, device="cuda", dtype=torch.bfloat16)
+        target = torch.empty(5, device="cuda", dtype=torch.int64)
+        loss, grad_logits, grad_target, lse = torch.ops.fused_losses_cross_entropy.forward(
+            logits, target, logits.new_empty(0), -100, NONE, 0.0, 0.0, True, False, True, False)
+        assert (loss.shape, grad_logits.shape, grad_target.shape, lse.shape, lse.dtype) == (
+            (5,), (0,), (0,), (5,), torch.float32)
+        assert loss.device.type == "cuda" and loss.dtype == torch.bfloat16
+        loss, grad_input, grad_target = torch.ops.fused_losses_mse.forward(logits, logits, MEAN, 0.1, True, False)
+        assert (loss.shape, grad_input.shape, grad_target.shape) == ((), (5, 7), (0,))
+
+
+def test_old_torch_runs_eagerly_without_the_stable_ops():
+    if losses.COMPILE_OPS:
+        assert hasattr(torch.ops.fused_losses_mse, "forward")
+    else:
+        assert not losses.is_compiling() and losses._COMPILE_LIBRARIES == []
+
+
+# ----------------------------------------------------------------------------------
+# GPU: the real kernels, compiled by inductor.
+
+@pytest.mark.gpu
+@needs_compile_ops
+@pytest.mark.parametrize("case", list(STEPS))
+def test_compiled_matches_eager(case):
+    check_compiled_matches_eager(case, "cuda", backend="inductor")
+
+
+@pytest.mark.gpu
+@needs_compile_ops
+def test_fakes_match_the_kernels():
+    check_fakes_match_the_ops("cuda")
