@@ -145,25 +145,20 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
 }
 
 // Visits every pack of a row read from memory (with the matching pack of target
-// probabilities when kProbs), kRowLoadsAhead packs in flight per thread: visit(x, y, index).
-// A long row runs one 512-thread block per multiprocessor (the register cache's size
-// sets the registers), so with 2-byte logits each thread keeps 8 packs in flight: 64 KB
-// per multiprocessor, about twice what HBM's latency times its bandwidth share asks for.
-// (float32 rows stay at 4: 8 would cost the register path of the same kernel occupancy.)
+// probabilities when kProbs), kLoadsAhead packs in flight per thread: visit(x, y, index).
 template <typename T, int VEC, bool kProbs, typename Visit>
 __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, Visit visit) {
-  constexpr int kRowLoadsAhead = sizeof(T) == 2 && !kProbs ? 8 : 4;
   Pack<T, VEC> none;
   int64_t p = threadIdx.x;
-  for (; p + (kRowLoadsAhead - 1) * blockDim.x < num_packs; p += kRowLoadsAhead * blockDim.x) {
-    Pack<T, VEC> xs[kRowLoadsAhead], ys[kProbs ? kRowLoadsAhead : 1];
+  for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
+    Pack<T, VEC> xs[kLoadsAhead], ys[kProbs ? kLoadsAhead : 1];
 #pragma unroll
-    for (int u = 0; u < kRowLoadsAhead; ++u) {
+    for (int u = 0; u < kLoadsAhead; ++u) {
       xs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
       if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + (p + u * blockDim.x) * VEC);
     }
 #pragma unroll
-    for (int u = 0; u < kRowLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, p + u * blockDim.x);
+    for (int u = 0; u < kLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, p + u * blockDim.x);
   }
   for (; p < num_packs; p += blockDim.x) {
     visit(load_pack<T, VEC>(x + p * VEC), kProbs ? load_pack<T, VEC>(y + p * VEC) : none, p);
