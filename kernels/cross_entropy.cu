@@ -40,37 +40,44 @@ constexpr int cache_packs() {
   return kProbs ? 4 : 8;
 }
 
+// The type of a row's sum of exp(x - max): double for float32 and float64 logits, each
+// pack adding its own acc_t sum, so that long rows (an LLM's vocabulary) lose no digits to
+// a long chain of float additions; float for 2-byte logits, whose outputs cannot show the
+// difference and whose long rows ran about 5% slower with the double math (notes, v7).
+template <typename T>
+using exp_sum_type = std::conditional_t<sizeof(T) == 2, float, sum_t>;
+
 // Running max (acc_t: float, or double for float64 logits) and sum of exp(x - max) over
-// part of a row. The sum is kept in double: each pack adds its own float sum, so long
-// rows (an LLM's vocabulary) lose no digits to a long chain of float additions.
-template <typename acc_t>
+// part of a row.
+template <typename acc_t, typename sum_type>
 struct MaxSum {
   acc_t max;
-  sum_t sum;
+  sum_type sum;
 };
 
-template <typename acc_t>
-__device__ __forceinline__ MaxSum<acc_t> combine(MaxSum<acc_t> a, MaxSum<acc_t> b) {
+template <typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> combine(MaxSum<acc_t, sum_type> a, MaxSum<acc_t, sum_type> b) {
   const acc_t max = max_acc(a.max, b.max);
   // When both maxima are -inf nothing has been added yet: keep the sum at 0, not NaN.
-  if (max == -infinity<acc_t>()) return {max, sum_t(0)};
+  if (max == -infinity<acc_t>()) return {max, sum_type(0)};
   return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
 }
 
-template <typename acc_t>
-__device__ __forceinline__ MaxSum<acc_t> shfl_xor(MaxSum<acc_t> v, int mask) {
+template <typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> shfl_xor(MaxSum<acc_t, sum_type> v, int mask) {
   return {shfl_xor(v.max, mask), shfl_xor(v.sum, mask)};
 }
 
 struct CombineMaxSum {
-  template <typename acc_t>
-  __device__ __forceinline__ MaxSum<acc_t> operator()(MaxSum<acc_t> a, MaxSum<acc_t> b) const {
+  template <typename acc_t, typename sum_type>
+  __device__ __forceinline__ MaxSum<acc_t, sum_type> operator()(MaxSum<acc_t, sum_type> a,
+                                                                MaxSum<acc_t, sum_type> b) const {
     return combine(a, b);
   }
 };
 
-template <typename T, int VEC, typename acc_t = at::opmath_type<T>>
-__device__ __forceinline__ MaxSum<acc_t> add_pack(MaxSum<acc_t> acc, const Pack<T, VEC>& pack) {
+template <typename T, int VEC, typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_type> acc, const Pack<T, VEC>& pack) {
   acc_t pack_max = -infinity<acc_t>();
 #pragma unroll
   for (int k = 0; k < VEC; ++k) pack_max = max_acc(pack_max, static_cast<acc_t>(pack.val[k]));
@@ -86,7 +93,7 @@ __device__ __forceinline__ MaxSum<acc_t> add_pack(MaxSum<acc_t> acc, const Pack<
 // x - ref, with ref a logit of the row that the whole block agrees on (the row max when
 // the row is in registers, else its first logit): the sums then hold the spread of the
 // row, not its offset, and lose no digits to cancellation when the loss subtracts them.
-// Each pack is summed in acc_t and the packs in double (sum_t), like the exp sums: a
+// Each pack is summed in acc_t and the packs in double (sum_t), for every dtype: a
 // gradient that multiplies p by these sums would otherwise carry their rounding.
 template <typename acc_t>
 struct ClassSums {
@@ -274,7 +281,9 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
-  __shared__ MaxSum<acc_t> scratch_pair[32];
+  using exp_sum_t = exp_sum_type<T>;
+  __shared__ MaxSum<acc_t, exp_sum_t> scratch_pair[32];
+  __shared__ exp_sum_t scratch_exp_sum[32];
   __shared__ ClassSums<sum_t> scratch_sums[kClassSums ? 32 : 1];
   __shared__ sum_t scratch_sum[32];
   const int64_t num_classes = params.num_classes;
@@ -334,7 +343,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
 
     Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
     acc_t row_max;
-    sum_t sum;
+    exp_sum_t sum;
     ClassSums<sum_t> sums{};
     if (row_in_registers) {
       // Every load is issued before the first is used: the whole row is in flight at once.
@@ -356,7 +365,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
         }
       }
       row_max = block_allreduce(thread_max, MaxOp(), -infinity<acc_t>(), scratch);
-      sum_t thread_sum = 0;
+      exp_sum_t thread_sum = 0;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
@@ -370,15 +379,16 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
           }
         }
       }
-      sum = block_sum(thread_sum, scratch_sum);
+      sum = block_sum(thread_sum, scratch_exp_sum);
     } else {
-      MaxSum<acc_t> acc = {-infinity<acc_t>(), sum_t(0)};
+      MaxSum<acc_t, exp_sum_t> acc = {-infinity<acc_t>(), exp_sum_t(0)};
       for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if constexpr (kClassSums) sums.add(pack_class_sums<kProbs>(xp, yp, p * VEC, params.weight, first_logit));
       });
       read_target_logit();
-      acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t>{-infinity<acc_t>(), sum_t(0)}, scratch_pair);
+      acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
+                             scratch_pair);
       row_max = acc.max;
       sum = acc.sum;
     }
