@@ -66,8 +66,8 @@ def test_cpu_z_loss_and_lse_follow_their_definitions():
     assert lse[0].item() == pytest.approx(lse0, rel=1e-12)
     per_row = losses.cross_entropy(logits, target, z_loss=0.25, reduction="none")
     assert per_row[1].item() == 0.0
-    half_lse = losses.cross_entropy(logits.half(), target, return_lse=True)[1]
-    assert half_lse.dtype == torch.float32 and half_lse[0].item() == pytest.approx(lse0, rel=1e-3)
+    bf16_lse = losses.cross_entropy(logits.bfloat16(), target, return_lse=True)[1]  # torch 2.0 CPU has no half
+    assert bf16_lse.dtype == torch.float32 and bf16_lse[0].item() == pytest.approx(lse0, rel=1e-2)
 
 
 def test_module_and_legacy_arguments_match_torch():
