@@ -83,6 +83,11 @@ def _check_fallback_allowed(loss: str, why: str, input: torch.Tensor) -> None:
                            "(FUSED_LOSSES_STRICT=1 forbids torch fallbacks on CUDA tensors)")
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the kernels accumulate in, and the dtype of cross-entropy's lse."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _wants_grad(tensor: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and tensor.requires_grad
 
@@ -144,8 +149,7 @@ def _cross_entropy_forward_fake(logits, target, weight, ignore_index, reduction,
     loss = logits.new_empty(() if scalar_loss else (rows,))
     grad_logits = logits.new_empty(logits.shape if scalar_loss and want_grad_logits else (0,))
     grad_target = logits.new_empty(logits.shape if scalar_loss and want_grad_target else (0,))
-    lse_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32  # the kernel's accumulation type
-    lse = logits.new_empty((rows,) if want_lse else (0,), dtype=lse_dtype)
+    lse = logits.new_empty((rows,) if want_lse else (0,), dtype=_accumulation_dtype(logits.dtype))
     return loss, grad_logits, grad_target, lse
 
 
@@ -452,7 +456,7 @@ def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_s
     if not (z_loss or return_lse):
         return loss
     class_dim = 1 if input.dim() > 1 else 0
-    lse = torch.logsumexp(input.to(torch.float64 if input.dtype == torch.float64 else torch.float32), class_dim)
+    lse = torch.logsumexp(input.to(_accumulation_dtype(input.dtype)), class_dim)
     if z_loss:
         counted = torch.ones_like(lse) if target.is_floating_point() else (target != ignore_index).to(lse.dtype)
         z = z_loss * lse.square() * counted

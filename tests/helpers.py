@@ -50,11 +50,12 @@ def poison_allocator(*tensors_like):
     del blocks
 
 
-def loss_and_grads(loss_fn, inputs, grad_of, grad_output):
-    """loss_fn(*inputs) and the gradients of the inputs at grad_of, from grad_output."""
+def loss_and_grads(loss_fn, inputs, grad_of, grad_output=None):
+    """loss_fn(*inputs) and the gradients of the inputs at grad_of, from grad_output
+    (ones in the loss's shape when None)."""
     leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
     loss = loss_fn(*leaves)
-    loss.backward(grad_output.to(loss.dtype).reshape(loss.shape))
+    loss.backward(torch.ones_like(loss) if grad_output is None else grad_output.to(loss.dtype).reshape(loss.shape))
     return loss.detach(), [leaves[i].grad for i in grad_of]
 
 
@@ -101,10 +102,8 @@ def check_special_values_match_torch(fused, reference, inputs, grad_of=(0,), rto
     element, with NaN and inf (and their signs) in the same places."""
     results = []
     for fn in (reference, fused):
-        leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
-        loss = fn(*leaves)
-        loss.backward(torch.ones_like(loss))
-        results.append([loss.detach()] + [leaves[i].grad for i in grad_of])
+        loss, grads = loss_and_grads(fn, inputs, grad_of)
+        results.append([loss] + grads)
     names = ["loss"] + [f"grad of input {i}" for i in grad_of]
     for name, theirs, ours in zip(names, *results):
         torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")

@@ -122,7 +122,7 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
     """The loss by torch's formula (losses._torch_cross_entropy), and the gradients of
     logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
     (an op's implementation runs below autograd). In the accumulation type."""
-    acc_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc_dtype = losses._accumulation_dtype(logits.dtype)
     x = logits.to(acc_dtype)
     rows, num_classes = x.shape
     probs = target.is_floating_point()
