@@ -80,6 +80,17 @@ __device__ __forceinline__ at::opmath_type<T> log_for(at::opmath_type<T> x) {
   }
 }
 
+// a / b: correctly rounded for float32 and float64; for values from a 2-byte dtype the
+// hardware reciprocal (2 ulp of float) is as good and several times cheaper.
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> div_for(at::opmath_type<T> a, at::opmath_type<T> b) {
+  if constexpr (sizeof(T) == 2) {
+    return __fdividef(a, b);
+  } else {
+    return a / b;
+  }
+}
+
 // The larger of two values; NaN loses (as fmaxf), so a NaN must reach results another way.
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
@@ -242,15 +253,13 @@ __global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, i
 }
 
 // Writes the loss described above into the 0-dim tensor `loss`. partials: (num_terms,
-// blocks) doubles; divisors: undefined, or (num_terms, blocks) doubles.
-inline void finish_sum(const at::Tensor& partials, double scale, const at::Tensor& divisors, at::Tensor& loss) {
+// num_partials) doubles; divisors: nullptr, or (num_terms, num_divisors) doubles.
+inline void finish_sum(const sum_t* partials, int num_terms, int64_t num_partials, double scale,
+                       const sum_t* divisors, int64_t num_divisors, at::Tensor& loss) {
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int num_terms = partials.dim() == 2 ? partials.size(0) : 1;
-  const bool divided = divisors.defined();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, loss.scalar_type(), "finish_sum", [&] {
-    finish_sum_kernel<scalar_t><<<1, 256, 0, stream>>>(
-        partials.data_ptr<sum_t>(), partials.size(-1), num_terms, scale,
-        divided ? divisors.data_ptr<sum_t>() : nullptr, divided ? divisors.size(-1) : 0, loss.data_ptr<scalar_t>());
+    finish_sum_kernel<scalar_t><<<1, 256, 0, stream>>>(partials, num_partials, num_terms, scale, divisors,
+                                                        num_divisors, loss.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -333,9 +342,9 @@ struct PointwisePointers {
   T* __restrict__ grad_target;        // or nullptr
 };
 
-// Packs per thread loaded before the first is used: enough bytes in flight to cover
-// memory latency (4 x 16 B x 2-3 inputs per thread). An Op whose math is heavy sets its
-// own Op::kLoadsAhead (more packs in registers would cost it occupancy).
+// Packs per thread in flight while another is computed: 4 x 16 B x 2-3 inputs per thread
+// covers memory latency. An Op whose math is heavy sets its own Op::loads_ahead<T>() (more
+// packs in registers would cost it occupancy).
 constexpr int kLoadsAhead = 4;
 
 template <typename T, int VEC>
@@ -379,9 +388,10 @@ __device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePoin
   return pack_sum;
 }
 
-// `partials` (one per block) is set for scalar reductions, nullptr otherwise.
+// `partials` (one per block) is set for scalar reductions, nullptr otherwise. At least two
+// blocks per multiprocessor: the compiler keeps a ring of 2-byte packs within 128 registers.
 template <typename T, int VEC, typename Op>
-__global__ void __launch_bounds__(256) pointwise_loss_kernel(PointwisePointers<T> ptr, PointwiseArgs args,
+__global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointers<T> ptr, PointwiseArgs args,
                                                              Op op, sum_t* __restrict__ partials) {
   using acc_t = at::opmath_type<T>;
   __shared__ sum_t scratch[32];
@@ -389,20 +399,27 @@ __global__ void __launch_bounds__(256) pointwise_loss_kernel(PointwisePointers<T
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
   const bool need_loss = partials != nullptr || ptr.loss_out != nullptr;
-  constexpr int loads_ahead = Op::kLoadsAhead;
+  constexpr int loads_ahead = Op::template loads_ahead<T>();
   sum_t thread_sum = 0;
+  // A ring of loads_ahead packs per thread, each refilled with the pack loads_ahead
+  // strides further as soon as it is taken: memory stays busy while the math runs, with
+  // registers for loads_ahead + 1 packs.
+  PointwiseInputs<T, VEC> ring[loads_ahead];
   int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; p + (loads_ahead - 1) * stride < num_packs; p += loads_ahead * stride) {
-    PointwiseInputs<T, VEC> v[loads_ahead];
 #pragma unroll
-    for (int u = 0; u < loads_ahead; ++u) v[u] = load_pointwise<VEC>(ptr, (p + u * stride) * VEC);
+  for (int u = 0; u < loads_ahead; ++u) {
+    if (p + u * stride < num_packs) ring[u] = load_pointwise<VEC>(ptr, (p + u * stride) * VEC);
+  }
+  for (; p < num_packs; p += loads_ahead * stride) {
 #pragma unroll
     for (int u = 0; u < loads_ahead; ++u) {
-      thread_sum += pointwise_pack<VEC>(ptr, (p + u * stride) * VEC, v[u], grad_scale, need_loss, op);
+      const int64_t current = p + u * stride, refill = current + loads_ahead * stride;
+      if (current < num_packs) {
+        const PointwiseInputs<T, VEC> v = ring[u];
+        if (refill < num_packs) ring[u] = load_pointwise<VEC>(ptr, refill * VEC);
+        thread_sum += pointwise_pack<VEC>(ptr, current * VEC, v, grad_scale, need_loss, op);
+      }
     }
-  }
-  for (; p < num_packs; p += stride) {
-    thread_sum += pointwise_pack<VEC>(ptr, p * VEC, load_pointwise<VEC>(ptr, p * VEC), grad_scale, need_loss, op);
   }
   // The last n % VEC elements: the same code, one element at a time.
   for (int64_t i = num_packs * VEC + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < args.n; i += stride) {
@@ -448,17 +465,15 @@ inline void check_matches_input(const at::Tensor& input, const char* other_name,
   TORCH_CHECK(other.sizes() == input.sizes(), other_name, " must have the shape of input");
 }
 
-inline at::Tensor empty_placeholder(const at::Tensor& like) {
-  return at::empty({0}, like.options());
-}
-
+// An output that is not written is an undefined tensor, which Python receives as None:
+// no allocation for it (launch-bound calls feel each one).
 template <typename T>
-T* data_or_null(at::Tensor& tensor) {
-  return tensor.numel() ? tensor.data_ptr<T>() : nullptr;
+T* data_or_null(const at::Tensor& tensor) {
+  return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
 }
 
 // Forward of a pointwise loss. Returns (loss, grad_input, grad_target); a gradient not
-// asked for is an empty placeholder. `scale` is the reduction's factor (1/n for 'mean').
+// asked for is undefined (None in Python). `scale` is the reduction's factor (1/n for 'mean').
 // For reduction 'none' no gradient is computed here (it needs grad_output): see
 // pointwise_loss_backward.
 template <typename Op>
@@ -471,8 +486,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
   const at::Tensor target = target_arg.contiguous();
   const bool scalar_loss = reduction != kNone;
   at::Tensor loss = scalar_loss ? at::empty({}, input.options()) : at::empty_like(input);
-  at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : empty_placeholder(input);
-  at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : empty_placeholder(input);
+  at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
+  at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
   if (input.numel() == 0) return {loss, grad_input, grad_target};  // losses.py sends empty tensors to torch
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
     const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(), nullptr,
@@ -481,13 +496,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
     at::Tensor partials;
     launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), scale}, op, scalar_loss ? &partials : nullptr,
                           input.get_device());
-    if (scalar_loss) finish_sum(partials, scale, at::Tensor(), loss);
+    if (scalar_loss) finish_sum(partials.data_ptr<sum_t>(), 1, partials.numel(), scale, nullptr, 0, loss);
   });
   return {loss, grad_input, grad_target};
 }
 
 // Backward of reduction 'none': grad = d loss_i / d input_i * grad_output_i.
-// Returns (grad_input, grad_target), placeholders where not asked for.
+// Returns (grad_input, grad_target), undefined where not asked for.
 template <typename Op>
 std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(
     const at::Tensor& input_arg, const at::Tensor& target_arg, const at::Tensor& grad_output_arg, Op op,
@@ -498,8 +513,8 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor target = target_arg.contiguous();
   const at::Tensor grad_output = grad_output_arg.contiguous();
-  at::Tensor grad_input = want_grad_input ? at::empty_like(input) : empty_placeholder(input);
-  at::Tensor grad_target = want_grad_target ? at::empty_like(input) : empty_placeholder(input);
+  at::Tensor grad_input = want_grad_input ? at::empty_like(input) : at::Tensor();
+  at::Tensor grad_target = want_grad_target ? at::empty_like(input) : at::Tensor();
   if (input.numel() == 0) return {grad_input, grad_target};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
     const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(),

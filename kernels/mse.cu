@@ -16,7 +16,10 @@ namespace fused_losses {
 // The math of one element.
 
 struct SquaredErrorOp {
-  static constexpr int kLoadsAhead = fused_losses::kLoadsAhead;
+  template <typename T>
+  static constexpr int loads_ahead() {
+    return kLoadsAhead;
+  }
 
   template <typename T, typename acc_t = at::opmath_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
@@ -33,7 +36,7 @@ struct SquaredErrorOp {
 
 // `scale` is the reduction's factor (1/n for 'mean'). Returns (loss, grad_input,
 // grad_target); gradients are written only for a scalar reduction and when asked for,
-// else they are empty placeholders.
+// else they are undefined (None).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_forward(const at::Tensor& input, const at::Tensor& target,
                                                            int64_t reduction, double scale, bool want_grad_input,
                                                            bool want_grad_target) {
