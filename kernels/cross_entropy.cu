@@ -151,21 +151,25 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
   return sums;
 }
 
+// Packs per thread in flight when a row is streamed: 4 x 16 B per thread is what covered
+// memory latency (notes: v3).
+constexpr int kStreamLoadsAhead = 4;
+
 // Visits every pack of a row read from memory (with the matching pack of target
-// probabilities when kProbs), kLoadsAhead packs in flight per thread: visit(x, y, index).
+// probabilities when kProbs), kStreamLoadsAhead packs in flight per thread: visit(x, y, index).
 template <typename T, int VEC, bool kProbs, typename Visit>
 __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, Visit visit) {
   Pack<T, VEC> none;
   int64_t p = threadIdx.x;
-  for (; p + (kLoadsAhead - 1) * blockDim.x < num_packs; p += kLoadsAhead * blockDim.x) {
-    Pack<T, VEC> xs[kLoadsAhead], ys[kProbs ? kLoadsAhead : 1];
+  for (; p + (kStreamLoadsAhead - 1) * blockDim.x < num_packs; p += kStreamLoadsAhead * blockDim.x) {
+    Pack<T, VEC> xs[kStreamLoadsAhead], ys[kProbs ? kStreamLoadsAhead : 1];
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) {
+    for (int u = 0; u < kStreamLoadsAhead; ++u) {
       xs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
       if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + (p + u * blockDim.x) * VEC);
     }
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, p + u * blockDim.x);
+    for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, p + u * blockDim.x);
   }
   for (; p < num_packs; p += blockDim.x) {
     visit(load_pack<T, VEC>(x + p * VEC), kProbs ? load_pack<T, VEC>(y + p * VEC) : none, p);
@@ -289,6 +293,12 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   const int64_t num_classes = params.num_classes;
   const int64_t num_packs = num_classes / VEC;
   const bool row_in_registers = num_packs <= int64_t(kPacks) * blockDim.x;
+  // The k-th pack of the row this thread caches, or -1 (32-bit: a cached row has at most
+  // kPacks * kMaxThreads packs).
+  auto cached_pack = [&](int k) -> int {
+    const int p = threadIdx.x + k * blockDim.x;
+    return p < num_packs ? p : -1;
+  };
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(num_classes);  // eps / C
@@ -349,8 +359,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       // Every load is issued before the first is used: the whole row is in flight at once.
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-        if (p < num_packs) {
+        const int p = cached_pack(k);
+        if (p >= 0) {
           cache[k] = load_pack<T, VEC>(x + p * VEC);
           if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y + p * VEC);
         }
@@ -359,7 +369,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       acc_t thread_max = -infinity<acc_t>();
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        if (threadIdx.x + int64_t(k) * blockDim.x < num_packs) {
+        if (cached_pack(k) >= 0) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) thread_max = max_acc(thread_max, static_cast<acc_t>(cache[k].val[j]));
         }
@@ -368,8 +378,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       exp_sum_t thread_sum = 0;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-        if (p < num_packs) {
+        const int p = cached_pack(k);
+        if (p >= 0) {
           acc_t pack_sum = 0;
 #pragma unroll
           for (int j = 0; j < VEC; ++j) pack_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
@@ -446,8 +456,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       if (row_in_registers) {
 #pragma unroll
         for (int k = 0; k < kPacks; ++k) {
-          const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-          if (p < num_packs) {
+          const int p = cached_pack(k);
+          if (p >= 0) {
             store_grad_pack<T, VEC, kProbs, kClassSums>(cache[k], target_cache[kProbs ? k : 0], p * VEC, g,
                                                         params.weight, gx, gy);
           }
@@ -476,7 +486,8 @@ struct CrossEntropyInputs {
   int64_t ignore_index;
   double label_smoothing, z_loss;
 
-  CrossEntropyInputs(const at::Tensor& logits_arg, const at::Tensor& target_arg, const at::Tensor& weight_arg,
+  CrossEntropyInputs(const at::Tensor& logits_arg, const at::Tensor& target_arg,
+                     const c10::optional<at::Tensor>& weight_arg,
                      int64_t ignore_index, double label_smoothing, double z_loss)
       : ignore_index(ignore_index), label_smoothing(label_smoothing), z_loss(z_loss) {
     TORCH_CHECK(logits_arg.is_cuda() && logits_arg.dim() == 2, "cross_entropy: input must be 2-D (N, C) on CUDA");
@@ -494,11 +505,11 @@ struct CrossEntropyInputs {
     TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy: label_smoothing must be in [0, 1]");
     logits = logits_arg.contiguous();
     target = target_arg.contiguous();
-    if (weight_arg.numel() > 0) {
-      TORCH_CHECK(weight_arg.dim() == 1 && weight_arg.size(0) == logits.size(1) &&
-                      weight_arg.device() == logits.device(),
+    if (weight_arg.has_value() && weight_arg->defined()) {
+      TORCH_CHECK(weight_arg->dim() == 1 && weight_arg->size(0) == logits.size(1) &&
+                      weight_arg->device() == logits.device(),
                   "cross_entropy: weight must have shape (C,) on input's device");
-      weight = weight_arg.to(accumulation_dtype()).contiguous();
+      weight = weight_arg->to(accumulation_dtype()).contiguous();
     }
   }
 
@@ -547,26 +558,30 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
   });
 }
 
-// Threads per row: enough that the row fits the register cache, at most kMaxThreads.
-// One block per row, as many blocks as fit on the GPU at once.
+// Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
+// row too long for it is streamed by 256 threads, so that two blocks share a
+// multiprocessor and one's barriers hide behind the other's loads (measured faster than
+// one block of 512 on 128256-class rows). As many blocks as fit on the GPU at once.
 template <typename Kernel>
 std::pair<int, int64_t> row_launch(Kernel kernel, int64_t rows, int64_t num_packs, int cached_packs, int device) {
   int threads = 32;
   while (threads < kMaxThreads && int64_t(threads) * cached_packs < num_packs) threads *= 2;
+  if (int64_t(threads) * cached_packs < num_packs) threads = 256;
   return {threads, grid_for(kernel, rows * threads, threads, device)};
 }
 
 // What a launch writes; undefined tensors are not written.
 struct CrossEntropyOutputs {
   at::Tensor loss_per_row, lse, grad_logits, grad_target;
-  at::Tensor partials;  // filled in by launch_cross_entropy for scalar reductions
-  at::Tensor divisors;  // likewise, for 'mean' with class indices
+  // Filled in by launch_cross_entropy for scalar reductions, in one allocation (launch-
+  // bound calls feel each one): per block, the ce and z sums (2, num_partials), and for
+  // 'mean' with class indices the divisors (2, num_divisors).
+  at::Tensor workspace;
+  sum_t* partials = nullptr;
+  int64_t num_partials = 0;
+  sum_t* divisors = nullptr;
+  int64_t num_divisors = 0;
 };
-
-template <typename T>
-T* data_or_null_of(const at::Tensor& tensor) {
-  return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
-}
 
 // Runs the kernel for a scalar reduction (`reduction`), reduction 'none' (forward), or
 // the backward of 'none' (grad_output defined).
@@ -587,40 +602,49 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
     params.target = in.target.data_ptr();
-    params.weight = data_or_null_of<acc_t>(in.weight);
+    params.weight = data_or_null<acc_t>(in.weight);
     params.rows = rows;
     params.num_classes = in.logits.size(1);
     params.ignore_index = in.ignore_index;
     params.label_smoothing = in.label_smoothing;
     params.z_loss = in.z_loss;
     params.ce_scale = reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0;
-    if (scalar_loss && reduction == kMean && !Cfg::probs && rows <= kRowsCountedPerBlock) {
-      out.divisors = at::empty({2, 1}, in.logits.options().dtype(at::kDouble));
-      params.counted_divisors = out.divisors.data_ptr<sum_t>();
-    } else if (scalar_loss && reduction == kMean && !Cfg::probs) {
-      using index_t = typename Cfg::index;
-      const int threads = 256;
-      const int64_t grid = grid_for(count_targets_kernel<index_t, acc_t>, rows, threads, device);
-      out.divisors = at::empty({2, grid}, in.logits.options().dtype(at::kDouble));
-      count_targets_kernel<index_t, acc_t><<<grid, threads, 0, stream>>>(
-          in.target.data_ptr<index_t>(), rows, params.num_classes, in.ignore_index, params.weight,
-          out.divisors.data_ptr<sum_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      params.divisors = out.divisors.data_ptr<sum_t>();
-      params.num_divisors = grid;
-    }
-    params.grad_output = data_or_null_of<T>(grad_output);
-    params.loss_per_row = data_or_null_of<T>(out.loss_per_row);
-    params.lse = data_or_null_of<acc_t>(out.lse);
-    params.grad_logits = data_or_null_of<T>(out.grad_logits);
-    params.grad_target = data_or_null_of<T>(out.grad_target);
+    params.grad_output = data_or_null<T>(grad_output);
+    params.loss_per_row = data_or_null<T>(out.loss_per_row);
+    params.lse = data_or_null<acc_t>(out.lse);
+    params.grad_logits = data_or_null<T>(out.grad_logits);
+    params.grad_target = data_or_null<T>(out.grad_target);
     const auto launch = row_launch(kernel, rows, params.num_classes / Cfg::vec, cache_packs<Cfg::probs>(), device);
-    if (scalar_loss) {
-      out.partials = at::empty({2, launch.second}, in.logits.options().dtype(at::kDouble));
-      params.partials = out.partials.data_ptr<sum_t>();
+    auto launch_kernel = [&] {
+      kernel<<<launch.second, launch.first, 0, stream>>>(params);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (!scalar_loss) {
+      launch_kernel();
+      return;
     }
-    kernel<<<launch.second, launch.first, 0, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // 'mean' with class indices divides by what count_targets finds: counted by every
+    // block of the loss kernel up to kRowsCountedPerBlock rows, else by its own kernel.
+    using index_t = typename Cfg::index;
+    auto count_kernel = count_targets_kernel<index_t, acc_t>;
+    const int count_threads = 256;
+    const bool divided = reduction == kMean && !Cfg::probs;
+    const bool counted_here = divided && rows <= kRowsCountedPerBlock;
+    out.num_partials = launch.second;
+    out.num_divisors = !divided ? 0 : counted_here ? 1 : grid_for(count_kernel, rows, count_threads, device);
+    out.workspace = at::empty({2 * (out.num_partials + out.num_divisors)}, in.logits.options().dtype(at::kDouble));
+    out.partials = params.partials = out.workspace.data_ptr<sum_t>();
+    out.divisors = divided ? out.partials + 2 * out.num_partials : nullptr;
+    if (counted_here) {
+      params.counted_divisors = out.divisors;
+    } else if (divided) {
+      count_kernel<<<out.num_divisors, count_threads, 0, stream>>>(
+          in.target.data_ptr<index_t>(), rows, params.num_classes, in.ignore_index, params.weight, out.divisors);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      params.divisors = out.divisors;
+      params.num_divisors = out.num_divisors;
+    }
+    launch_kernel();
   });
 }
 
@@ -629,9 +653,9 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
 //   grad_logits / grad_target: written for a scalar reduction when asked for (for 'none'
 //     see cross_entropy_backward); grad_logits is `logits` itself when inplace;
 //   lse: (N,) in the accumulation type when want_lse.
-// Whatever is not written is an empty tensor. An empty `weight` means no weight.
+// Whatever is not written is undefined (None in Python).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
-    const at::Tensor& logits, const at::Tensor& target, const at::Tensor& weight, int64_t ignore_index,
+    const at::Tensor& logits, const at::Tensor& target, const c10::optional<at::Tensor>& weight, int64_t ignore_index,
     int64_t reduction, double label_smoothing, double z_loss, bool want_grad_logits, bool want_grad_target,
     bool want_lse, bool inplace) {
   TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
@@ -650,20 +674,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   if (scalar_loss && want_grad_target) out.grad_target = at::empty_like(in.logits);
   if (in.logits.numel() > 0) {  // losses.py sends empty inputs to torch
     launch_cross_entropy(in, reduction, at::Tensor(), out);
-    if (scalar_loss) finish_sum(out.partials, reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0,
-                                out.divisors, loss);
+    if (scalar_loss) {
+      finish_sum(out.partials, 2, out.num_partials, reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0,
+                 out.divisors, out.num_divisors, loss);
+    }
   }
-  // Each output a tensor of its own (an empty one where not written): outputs that
-  // alias each other break torch.compile's view of the op.
-  auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, options); };
-  return {loss, or_empty(out.grad_logits), or_empty(out.grad_target),
-          out.lse.defined() ? out.lse : at::empty({0}, options.dtype(in.accumulation_dtype()))};
+  return {loss, out.grad_logits, out.grad_target, out.lse};
 }
 
 // Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
-// grad_target), empty where not asked for.
+// grad_target), undefined where not asked for.
 std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
-                                                          const at::Tensor& weight, int64_t ignore_index,
+                                                          const c10::optional<at::Tensor>& weight,
+                                                          int64_t ignore_index,
                                                           double label_smoothing, double z_loss,
                                                           const at::Tensor& grad_output, bool want_grad_logits,
                                                           bool want_grad_target) {
@@ -677,8 +700,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logi
   if (want_grad_logits) out.grad_logits = at::empty_like(in.logits);
   if (want_grad_target) out.grad_target = at::empty_like(in.logits);
   if (in.logits.numel() > 0 && (want_grad_logits || want_grad_target)) launch_cross_entropy(in, kNone, grad_output.contiguous(), out);
-  return {want_grad_logits ? out.grad_logits : at::empty({0}, in.logits.options()),
-          want_grad_target ? out.grad_target : at::empty({0}, in.logits.options())};
+  return {out.grad_logits, out.grad_target};
 }
 
 }  // namespace fused_losses
