@@ -183,10 +183,10 @@ KERNEL_OPS = {
     },
     "cross_entropy": {
         # inplace=True returns the logits as their gradient: never passed under torch.compile.
-        "forward": ("(Tensor logits, Tensor target, Tensor weight, int ignore_index, int reduction, "
+        "forward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
                     "float label_smoothing, float z_loss, bool want_grad_logits, bool want_grad_target, "
                     "bool want_lse, bool inplace) -> (Tensor, Tensor, Tensor, Tensor)", _cross_entropy_forward_fake),
-        "backward": ("(Tensor logits, Tensor target, Tensor weight, int ignore_index, float label_smoothing, "
+        "backward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, float label_smoothing, "
                      "float z_loss, Tensor grad_output, bool want_grad_logits, bool want_grad_target) "
                      "-> (Tensor, Tensor)", _cross_entropy_backward_fake),
         "scale_by_grad_output_": _SCALE_BY_GRAD_OUTPUT,
@@ -195,9 +195,18 @@ KERNEL_OPS = {
 
 
 def _call_build(kernel: str, op: str):
+    fake = KERNEL_OPS[kernel][op][1]
+
     def call(*args):
         device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
-        return getattr(loader.load_for_device(kernel, device), op)(*args)
+        outputs = getattr(loader.load_for_device(kernel, device), op)(*args)
+        if not isinstance(outputs, tuple) or all(output is not None for output in outputs):
+            return outputs
+        # A build returns None for an output it did not write; the schema promises a
+        # tensor there: an empty one of the dtype the fake gives it.
+        shapes = fake(*[arg.to("meta") if isinstance(arg, torch.Tensor) else arg for arg in args])
+        return tuple(torch.empty(0, dtype=shape.dtype, device=device) if output is None else output
+                     for output, shape in zip(outputs, shapes))
     return call
 
 
@@ -255,10 +264,11 @@ def _pointwise_fusable(input: torch.Tensor, target: torch.Tensor) -> str | None:
     """Why the fused kernel cannot take these tensors, or None when it can."""
     if not (input.is_cuda and target.is_cuda):
         return "CPU tensors"
-    dtype = torch.promote_types(input.dtype, target.dtype)
+    same = input.dtype == target.dtype and input.shape == target.shape  # the usual case, checked cheaply
+    dtype = input.dtype if same else torch.promote_types(input.dtype, target.dtype)
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} has no kernel"
-    if math.prod(torch.broadcast_shapes(input.shape, target.shape)) == 0:
+    if (input.numel() if same else math.prod(torch.broadcast_shapes(input.shape, target.shape))) == 0:
         return "empty tensors"
     return None
 
@@ -370,9 +380,10 @@ class MSELoss(nn.MSELoss):
 # Cross-entropy.
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """(N, C) logits; target (N,) class indices or (N, C) probabilities. Returns (loss,
-    lse), and with inplace the logits too, whose buffer now holds their gradient: marked
-    dirty, so autograd refuses any later use of what they held before."""
+    """(N, C) logits; target (N,) class indices or (N, C) probabilities. Returns the loss;
+    with want_lse a tuple, (loss, lse); with inplace the logits last, whose buffer now
+    holds their gradient: marked dirty, so autograd refuses any later use of what they
+    held before."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
@@ -383,19 +394,26 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ctx.kernel, ctx.reduction, ctx.grads_consumed = "cross_entropy", reduction, False
         ctx.arguments = (ignore_index, label_smoothing, z_loss)
         ctx.want_grads = (want_grad_logits, want_grad_target)
-        ctx.mark_non_differentiable(lse)
         if reduction == "none":
             ctx.save_for_backward(logits, target, weight)
         else:
             ctx.save_for_backward(grad_logits if want_grad_logits else None,
                                   grad_target if want_grad_target else None)
+        # Only the loss has a gradient: autograd need not make zeros for the others.
+        ctx.set_materialize_grads(False)
+        outputs = (loss,)
+        if want_lse:
+            ctx.mark_non_differentiable(lse)
+            outputs += (lse,)
         if inplace:
             ctx.mark_dirty(logits)
-            return loss, lse, logits
-        return loss, lse
+            outputs += (logits,)
+        return outputs if len(outputs) > 1 else loss
 
     @staticmethod
     def backward(ctx, grad_output, *unused_grads):
+        if grad_output is None:  # the loss was not used
+            return (None,) * 11
         if ctx.reduction == "none":
             logits, target, weight = ctx.saved_tensors
             grad_logits, grad_target = _ops(ctx.kernel, logits.device).backward(
@@ -508,15 +526,14 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     # probabilities alike. The movedim copy is autograd-tracked, so the gradient flows
     # back to the original layout.
     probs = target.is_floating_point()
-    row_shape = input.shape[:1] + input.shape[2:] if input.dim() > 1 else torch.Size()
-    if input.dim() == 1:
-        logits, rows_target = input.unsqueeze(0), (target.unsqueeze(0) if probs else target.reshape(1))
-    elif input.dim() == 2:
+    dim = input.dim()
+    if dim == 2:
         logits, rows_target = input, target
+    elif dim == 1:
+        logits, rows_target = input.unsqueeze(0), (target.unsqueeze(0) if probs else target.reshape(1))
     else:
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
         rows_target = target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1)
-    weight = weight if weight is not None else input.new_empty(0)  # the kernel's "no weight"
     want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
     arguments = (int(ignore_index), reduction, float(label_smoothing), float(z_loss))
     if want_grad_logits or want_grad_target:
@@ -524,12 +541,19 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         inplace = inplace_backward and want_grad_logits and not is_compiling()
         if inplace and not logits.is_contiguous():
             logits = logits.contiguous()
-        loss, lse = _CrossEntropyFunction.apply(logits, rows_target, weight, *arguments, want_grad_logits,
-                                                want_grad_target, return_lse, inplace)[:2]
+        outputs = _CrossEntropyFunction.apply(logits, rows_target, weight, *arguments, want_grad_logits,
+                                              want_grad_target, return_lse, inplace)
+        if isinstance(outputs, torch.Tensor):
+            loss, lse = outputs, None
+        else:
+            loss, lse = outputs[0], outputs[1] if return_lse else None
     else:  # no graph to record: skip autograd's bookkeeping
         ops = _ops("cross_entropy", input.device)
         loss, _, _, lse = ops.forward(logits, rows_target, weight, arguments[0], REDUCTION_CODES[reduction],
                                       *arguments[2:], False, False, return_lse, False)
+    if dim == 2 or not (reduction == "none" or return_lse):
+        return (loss, lse) if return_lse else loss
+    row_shape = input.shape[:1] + input.shape[2:] if dim > 1 else torch.Size()
     if reduction == "none":
         loss = loss.reshape(row_shape)
     return (loss, lse.reshape(row_shape)) if return_lse else loss

@@ -126,10 +126,10 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
     x = logits.to(acc_dtype)
     rows, num_classes = x.shape
     probs = target.is_floating_point()
-    w = weight.to(acc_dtype) if weight.numel() else x.new_ones(num_classes)
-    loss = losses._torch_cross_entropy(x, target.to(acc_dtype) if probs else target, weight.to(acc_dtype)
-                                       if weight.numel() else None, ignore_index, reduction, label_smoothing,
-                                       z_loss, False)
+    w = weight.to(acc_dtype) if weight is not None else x.new_ones(num_classes)
+    loss = losses._torch_cross_entropy(x, target.to(acc_dtype) if probs else target,
+                                       None if weight is None else weight.to(acc_dtype), ignore_index, reduction,
+                                       label_smoothing, z_loss, False)
     log_softmax, lse = x.log_softmax(1), x.logsumexp(1)
     p = log_softmax.exp()
     share = label_smoothing / num_classes
@@ -226,7 +226,7 @@ def op_calls(device):
         calls.append((kernel, "scale_by_grad_output_", (x.clone(), torch.tensor(2.0, device=device))))
     for dtype in (torch.float32, torch.float64):
         logits = torch.randn(6, 10, device=device, dtype=dtype).t()  # non-contiguous: outputs are not
-        no_weight, weight = logits.new_empty(0), torch.rand(6, device=device, dtype=dtype)
+        no_weight, weight = None, torch.rand(6, device=device, dtype=dtype)
         indices = torch.randint(0, 6, (10,), device=device)
         probabilities = torch.rand(10, 6, device=device, dtype=dtype).softmax(1)
         grad_output = torch.rand(10, device=device, dtype=dtype)
@@ -281,7 +281,7 @@ def test_fake_outputs_on_cuda_need_no_gpu():
         logits = torch.empty(5, 7, device="cuda", dtype=torch.bfloat16)
         target = torch.empty(5, device="cuda", dtype=torch.int64)
         loss, grad_logits, grad_target, lse = torch.ops.fused_losses_cross_entropy.forward(
-            logits, target, logits.new_empty(0), -100, NONE, 0.0, 0.0, True, False, True, False)
+            logits, target, None, -100, NONE, 0.0, 0.0, True, False, True, False)
         assert (loss.shape, grad_logits.shape, grad_target.shape, lse.shape, lse.dtype) == (
             (5,), (0,), (0,), (5,), torch.float32)
         assert loss.device.type == "cuda" and loss.dtype == torch.bfloat16

@@ -116,6 +116,9 @@ def randn(*shape, dtype):
     return torch.randn(shape, device="cuda", dtype=torch.float32).mul(2).to(dtype)
 
 
+LONG_ROW = "long row (C = 40000): split over a cluster on sm_90, else read twice"
+STREAMED_ROW = "row beyond every register cache (C = 270000, read twice)"
+
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.
 SHAPES = {
     "one row": lambda dtype: randn(1, 1000, dtype=dtype),
@@ -126,7 +129,8 @@ SHAPES = {
     "non-contiguous (transposed) logits": lambda dtype: randn(1000, 7, dtype=dtype).t(),
     "odd C = 1001 (no 16-byte vectors)": lambda dtype: randn(9, 1001, dtype=dtype),
     "tiny C = 3, many rows": lambda dtype: randn(3000, 3, dtype=dtype),
-    "row beyond the register cache (C = 40000, read twice)": lambda dtype: randn(5, 40000, dtype=dtype),
+    LONG_ROW: lambda dtype: randn(5, 40000, dtype=dtype),
+    STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
 }
 
@@ -228,7 +232,7 @@ def _option_id(options):
 
 
 CROSSED_SHAPES = ["7x1000", "1-D input (C,), 0-dim target", "3-D (N, C, d): classes in dim 1",
-                  "odd C = 1001 (no 16-byte vectors)", "row beyond the register cache (C = 40000, read twice)"]
+                  "odd C = 1001 (no 16-byte vectors)", LONG_ROW, STREAMED_ROW]
 
 
 @pytest.mark.gpu
@@ -267,7 +271,7 @@ def test_arguments_crossed_match_float64(case, dtype, reduction, options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["7x1000", "row beyond the register cache (C = 40000, read twice)"])
+@pytest.mark.parametrize("case", ["7x1000", LONG_ROW, STREAMED_ROW])
 def test_return_lse_matches_float64(case, dtype):
     logits = SHAPES[case](dtype)
     target = class_targets(logits)
@@ -283,8 +287,7 @@ def test_return_lse_matches_float64(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["7x1000", "row beyond the register cache (C = 40000, read twice)",
-                                  "3-D (N, C, d): classes in dim 1"])
+@pytest.mark.parametrize("case", ["7x1000", LONG_ROW, STREAMED_ROW, "3-D (N, C, d): classes in dim 1"])
 def test_inplace_backward_gives_the_same_gradient_in_the_logits_buffer(case, dtype):
     source = SHAPES[case](dtype)
     target = class_targets(source)
@@ -349,7 +352,8 @@ def test_every_target_ignored_with_options_gives_torch_result(weight):
 @pytest.mark.gpu
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("num_classes", [1000, 40000], ids=["row in registers", "row read twice"])
+@pytest.mark.parametrize("num_classes", [1000, 40000, 270000],
+                         ids=["row in registers", "row split over a cluster (sm_90)", "row read twice"])
 def test_masked_nan_and_inf_logits_match_torch(num_classes, reduction, label_smoothing):
     """-inf logits (masked classes), a NaN, a +inf, a row of only -inf, and -inf in the
     first column (the reference point of the smoothing sums on long rows)."""

@@ -11,10 +11,17 @@ from helpers import LOSSES, loss_and_grads
 RUNS = 100
 SHAPES = [
     (513, 1037),  # many blocks for every kernel; odd, so vector bodies and scalar tails both run
-    (33, 40000),  # cross-entropy rows beyond the register cache (read twice)
+    (33, 40000),  # cross-entropy rows split over a cluster's registers (sm_90)
+    (3, 270000),  # cross-entropy rows beyond every register cache (read twice)
 ]
 
 CASES = [(name, reduction) for name, loss in LOSSES.items() for reduction in loss.reductions]
+
+
+def same_bits(a, b):
+    """Bit for bit, NaN included (softmax rows of 270000 underflow to 0 in float16, and
+    KL's 0 * log 0 terms are NaN as in torch)."""
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -30,6 +37,6 @@ def test_bitwise_identical_over_runs(name, reduction, dtype, rows, cols):
     first_loss, first_grads = loss_and_grads(fused, inputs, loss.grad_of, grad_output)
     for run in range(1, RUNS):
         again_loss, again_grads = loss_and_grads(fused, inputs, loss.grad_of, grad_output)
-        assert torch.equal(again_loss, first_loss), f"run {run}: loss differs"
+        assert same_bits(again_loss, first_loss), f"run {run}: loss differs"
         for index, (again, first) in zip(loss.grad_of, zip(again_grads, first_grads)):
-            assert torch.equal(again, first), f"run {run}: gradient of input {index} differs"
+            assert same_bits(again, first), f"run {run}: gradient of input {index} differs"
