@@ -342,10 +342,11 @@ struct PointwisePointers {
   T* __restrict__ grad_target;        // or nullptr
 };
 
-// Packs per thread in flight while another is computed: 4 x 16 B x 2-3 inputs per thread
-// covers memory latency. An Op whose math is heavy sets its own Op::loads_ahead<T>() (more
-// packs in registers would cost it occupancy).
-constexpr int kLoadsAhead = 4;
+// How a thread walks its packs, set by each Op: batches of Op::kBatch packs, every load
+// of a batch issued before its math (4 x 16 B x 2-3 inputs per thread covers memory
+// latency). With Op::kPrefetch, the next batch's loads go out before this batch's math
+// too, at the cost of registers for two batches: for math heavy enough to leave memory
+// idle while it runs (KL's log and division).
 
 template <typename T, int VEC>
 struct PointwiseInputs {
@@ -389,7 +390,7 @@ __device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePoin
 }
 
 // `partials` (one per block) is set for scalar reductions, nullptr otherwise. At least two
-// blocks per multiprocessor: the compiler keeps a ring of 2-byte packs within 128 registers.
+// blocks per multiprocessor: a batch of 2-byte packs must fit in 128 registers.
 template <typename T, int VEC, typename Op>
 __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointers<T> ptr, PointwiseArgs args,
                                                              Op op, sum_t* __restrict__ partials) {
@@ -399,25 +400,27 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
   const bool need_loss = partials != nullptr || ptr.loss_out != nullptr;
-  constexpr int loads_ahead = Op::template loads_ahead<T>();
+  constexpr int batch = Op::kBatch;
   sum_t thread_sum = 0;
-  // A ring of loads_ahead packs per thread, each refilled with the pack loads_ahead
-  // strides further as soon as it is taken: memory stays busy while the math runs, with
-  // registers for loads_ahead + 1 packs.
-  PointwiseInputs<T, VEC> ring[loads_ahead];
+  PointwiseInputs<T, VEC> loaded[batch];
+  auto load_batch = [&](int64_t first_pack) {
+#pragma unroll
+    for (int u = 0; u < batch; ++u) {
+      if (first_pack + u * stride < num_packs) loaded[u] = load_pointwise<VEC>(ptr, (first_pack + u * stride) * VEC);
+    }
+  };
   int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if constexpr (Op::kPrefetch) load_batch(p);
+  for (; p < num_packs; p += batch * stride) {
+    if constexpr (!Op::kPrefetch) load_batch(p);
+    PointwiseInputs<T, VEC> v[batch];
 #pragma unroll
-  for (int u = 0; u < loads_ahead; ++u) {
-    if (p + u * stride < num_packs) ring[u] = load_pointwise<VEC>(ptr, (p + u * stride) * VEC);
-  }
-  for (; p < num_packs; p += loads_ahead * stride) {
+    for (int u = 0; u < batch; ++u) v[u] = loaded[u];
+    if constexpr (Op::kPrefetch) load_batch(p + batch * stride);
 #pragma unroll
-    for (int u = 0; u < loads_ahead; ++u) {
-      const int64_t current = p + u * stride, refill = current + loads_ahead * stride;
-      if (current < num_packs) {
-        const PointwiseInputs<T, VEC> v = ring[u];
-        if (refill < num_packs) ring[u] = load_pointwise<VEC>(ptr, refill * VEC);
-        thread_sum += pointwise_pack<VEC>(ptr, current * VEC, v, grad_scale, need_loss, op);
+    for (int u = 0; u < batch; ++u) {
+      if (p + u * stride < num_packs) {
+        thread_sum += pointwise_pack<VEC>(ptr, (p + u * stride) * VEC, v[u], grad_scale, need_loss, op);
       }
     }
   }

@@ -293,12 +293,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   const int64_t num_classes = params.num_classes;
   const int64_t num_packs = num_classes / VEC;
   const bool row_in_registers = num_packs <= int64_t(kPacks) * blockDim.x;
-  // The k-th pack of the row this thread caches, or -1 (32-bit: a cached row has at most
-  // kPacks * kMaxThreads packs).
-  auto cached_pack = [&](int k) -> int {
-    const int p = threadIdx.x + k * blockDim.x;
-    return p < num_packs ? p : -1;
-  };
+  // The k-th pack of the row this thread caches, when it is < num_packs.
+  auto cached_pack = [&](int k) { return threadIdx.x + int64_t(k) * blockDim.x; };
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(num_classes);  // eps / C
@@ -359,8 +355,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       // Every load is issued before the first is used: the whole row is in flight at once.
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        const int p = cached_pack(k);
-        if (p >= 0) {
+        const int64_t p = cached_pack(k);
+        if (p < num_packs) {
           cache[k] = load_pack<T, VEC>(x + p * VEC);
           if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y + p * VEC);
         }
@@ -369,7 +365,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       acc_t thread_max = -infinity<acc_t>();
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        if (cached_pack(k) >= 0) {
+        if (cached_pack(k) < num_packs) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) thread_max = max_acc(thread_max, static_cast<acc_t>(cache[k].val[j]));
         }
@@ -378,8 +374,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       exp_sum_t thread_sum = 0;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        const int p = cached_pack(k);
-        if (p >= 0) {
+        const int64_t p = cached_pack(k);
+        if (p < num_packs) {
           acc_t pack_sum = 0;
 #pragma unroll
           for (int j = 0; j < VEC; ++j) pack_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
@@ -456,8 +452,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       if (row_in_registers) {
 #pragma unroll
         for (int k = 0; k < kPacks; ++k) {
-          const int p = cached_pack(k);
-          if (p >= 0) {
+          const int64_t p = cached_pack(k);
+          if (p < num_packs) {
             store_grad_pack<T, VEC, kProbs, kClassSums>(cache[k], target_cache[kProbs ? k : 0], p * VEC, g,
                                                         params.weight, gx, gy);
           }

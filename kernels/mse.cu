@@ -16,10 +16,10 @@ namespace fused_losses {
 // The math of one element.
 
 struct SquaredErrorOp {
-  template <typename T>
-  static constexpr int loads_ahead() {
-    return kLoadsAhead;
-  }
+  // Light math: batches of 4 packs, no prefetch (prefetching needs twice the registers
+  // and measured slower: 8192^2 bf16 forward 1.07x the floor without, 1.24-2.35x with).
+  static constexpr int kBatch = 4;
+  static constexpr bool kPrefetch = false;
 
   template <typename T, typename acc_t = at::opmath_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
