@@ -99,14 +99,19 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
 def check_special_values_match_torch(fused, reference, inputs, grad_of=(0,), rtol=1e-6):
     """For inputs holding NaN, inf or zeros, where a relative error says nothing: ours
     and torch, in the inputs' dtype, give the same loss and gradients element by
-    element, with NaN and inf (and their signs) in the same places."""
+    element, with NaN and inf (and their signs) in the same places. Finite elements agree
+    within rtol of themselves or of the tensor's largest finite magnitude: an element that
+    cancels to near zero (p_c - eps/C with label smoothing) carries its parts' rounding."""
     results = []
     for fn in (reference, fused):
         loss, grads = loss_and_grads(fn, inputs, grad_of)
         results.append([loss] + grads)
     names = ["loss"] + [f"grad of input {i}" for i in grad_of]
     for name, theirs, ours in zip(names, *results):
-        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        finite = theirs[torch.isfinite(theirs)]
+        scale = finite.abs().max().item() if finite.numel() else 0.0
+        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=rtol * scale, equal_nan=True,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 # ----------------------------------------------------------------------------------
