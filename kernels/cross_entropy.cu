@@ -156,23 +156,29 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
 constexpr int kStreamLoadsAhead = 4;
 
 // Visits every pack of a row read from memory (with the matching pack of target
-// probabilities when kProbs), kStreamLoadsAhead packs in flight per thread: visit(x, y, index).
+// probabilities when kProbs), kStreamLoadsAhead packs in flight per thread: visit(x, y,
+// index). `backwards` visits the row from its end: a second pass over a row then starts
+// with what the first pass read last, the part most likely still in L2 (front to back,
+// each miss would evict the next part this pass needs).
 template <typename T, int VEC, bool kProbs, typename Visit>
-__device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, Visit visit) {
+__device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, bool backwards,
+                                                  Visit visit) {
   Pack<T, VEC> none;
+  auto pack_at = [&](int64_t p) { return backwards ? num_packs - 1 - p : p; };
   int64_t p = threadIdx.x;
   for (; p + (kStreamLoadsAhead - 1) * blockDim.x < num_packs; p += kStreamLoadsAhead * blockDim.x) {
     Pack<T, VEC> xs[kStreamLoadsAhead], ys[kProbs ? kStreamLoadsAhead : 1];
 #pragma unroll
     for (int u = 0; u < kStreamLoadsAhead; ++u) {
-      xs[u] = load_pack<T, VEC>(x + (p + u * blockDim.x) * VEC);
-      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + (p + u * blockDim.x) * VEC);
+      xs[u] = load_pack<T, VEC>(x + pack_at(p + u * blockDim.x) * VEC);
+      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + pack_at(p + u * blockDim.x) * VEC);
     }
 #pragma unroll
-    for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, p + u * blockDim.x);
+    for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, pack_at(p + u * blockDim.x));
   }
   for (; p < num_packs; p += blockDim.x) {
-    visit(load_pack<T, VEC>(x + p * VEC), kProbs ? load_pack<T, VEC>(y + p * VEC) : none, p);
+    const int64_t q = pack_at(p);
+    visit(load_pack<T, VEC>(x + q * VEC), kProbs ? load_pack<T, VEC>(y + q * VEC) : none, q);
   }
 }
 
@@ -388,7 +394,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       sum = block_sum(thread_sum, scratch_exp_sum);
     } else {
       MaxSum<acc_t, exp_sum_t> acc = {-infinity<acc_t>(), exp_sum_t(0)};
-      for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+      for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, false, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp,
+                                                                   int64_t p) {
         acc = add_pack(acc, xp);
         if constexpr (kClassSums) sums.add(pack_class_sums<kProbs>(xp, yp, p * VEC, params.weight, first_logit));
       });
@@ -459,7 +466,8 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
           }
         }
       } else {
-        for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+        for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, true, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp,
+                                                                    int64_t p) {
           store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, p * VEC, g, params.weight, gx, gy);
         });
       }
