@@ -16,8 +16,8 @@ namespace fused_losses {
 // The math of one element.
 
 struct SquaredErrorOp {
-  // Light math: batches of 4 packs, no prefetch (prefetching needs twice the registers
-  // and measured slower: 8192^2 bf16 forward 1.07x the floor without, 1.24-2.35x with).
+  // Light math: batches of 4 packs, no prefetch (prefetching needs more registers and was
+  // no faster: 8192^2 bf16 forward 1.08-1.26x the floor without, 1.24-2.36x with).
   static constexpr int kBatch = 4;
   static constexpr bool kPrefetch = false;
 

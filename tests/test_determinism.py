@@ -11,8 +11,8 @@ from helpers import LOSSES, loss_and_grads
 RUNS = 100
 SHAPES = [
     (513, 1037),  # many blocks for every kernel; odd, so vector bodies and scalar tails both run
-    (33, 40000),  # cross-entropy rows split over a cluster's registers (sm_90)
-    (3, 270000),  # cross-entropy rows beyond every register cache (read twice)
+    (33, 40000),  # cross-entropy rows beyond the register cache (read twice)
+    (3, 270000),  # very long rows: float16 softmax inputs underflow to 0, so KL gives NaN as torch does
 ]
 
 CASES = [(name, reduction) for name, loss in LOSSES.items() for reduction in loss.reductions]
