@@ -124,6 +124,16 @@ __device__ __forceinline__ void store_pack(T* ptr, const Pack<T, VEC>& pack) {
   *reinterpret_cast<Pack<T, VEC>*>(ptr) = pack;
 }
 
+// A store marked evict-first (st.global.cs): for output that nothing here reads again.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack_streaming(T* ptr, const Pack<T, VEC>& pack) {
+  if constexpr (sizeof(pack) == 16) {
+    __stcs(reinterpret_cast<int4*>(ptr), *reinterpret_cast<const int4*>(&pack));
+  } else {
+    store_pack<T, VEC>(ptr, pack);
+  }
+}
+
 // Elements per 16-byte vector of T.
 template <typename T>
 constexpr int vec16() {
@@ -200,19 +210,20 @@ inline int multiprocessor_count(int device) {
   return cached[device];
 }
 
-// Blocks of `kernel` with `threads` threads that one multiprocessor holds at once (its
-// registers and shared memory decide). Asked once per kernel and block size: the answer
-// depends only on the compiled kernel, and the query costs about a microsecond.
+// Blocks of `kernel` with `threads` threads and `dynamic_smem` bytes of dynamic shared
+// memory that one multiprocessor holds at once (its registers and shared memory decide).
+// Asked once per kernel, block size and shared memory: the answer depends only on the
+// compiled kernel, and the query costs about a microsecond.
 template <typename Kernel>
-int resident_blocks_per_sm(Kernel kernel, int threads) {
+int resident_blocks_per_sm(Kernel kernel, int threads, size_t dynamic_smem = 0) {
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> cache;
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), threads);
+  static std::map<std::tuple<const void*, int, size_t>, int> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, dynamic_smem);
   std::lock_guard<std::mutex> lock(mutex);
   auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem));
   return cache[key] = std::max(blocks, 1);
 }
 
@@ -220,10 +231,32 @@ int resident_blocks_per_sm(Kernel kernel, int threads) {
 // many blocks as the GPU holds at once (one wave, no ragged tail), no more than the work
 // needs.
 template <typename Kernel>
-int64_t grid_for(Kernel kernel, int64_t work_items, int threads, int device) {
-  const int64_t resident = int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads);
+int64_t grid_for(Kernel kernel, int64_t work_items, int threads, int device, size_t dynamic_smem = 0) {
+  const int64_t resident =
+      int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads, dynamic_smem);
   const int64_t needed = (work_items + threads - 1) / threads;
   return std::max<int64_t>(1, std::min(resident, needed));
+}
+
+// The most dynamic shared memory one block of `kernel` can have on `device` (what is left
+// of the multiprocessor's beside the kernel's static shared memory), a multiple of 16
+// bytes; the kernel is allowed to take that much (beyond 48 KB it must ask). Once per
+// kernel and device.
+template <typename Kernel>
+size_t max_dynamic_smem(Kernel kernel, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> cache;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  int per_block = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  const size_t budget = std::max<int64_t>(0, int64_t(per_block) - int64_t(attributes.sharedSizeBytes)) / 16 * 16;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(budget)));
+  return cache[key] = budget;
 }
 
 // ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Each loss x float32/float16/bfloat16 x reduction, forward without grad, and forward +
 backward with grad (backward from 2.5, so the in-place scale runs too), on odd shapes:
 a vector body with a scalar tail, one element, a misaligned view, and for
-cross-entropy rows in registers (C = 5) and beyond them (C = 40000), with weight, label
+cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001), with weight, label
 smoothing, z-loss, probability targets and inplace_backward.
 """
 import os
@@ -37,7 +37,8 @@ def logits_shapes(dtype):
     yield torch.randn(1, 1, device="cuda", dtype=dtype)
     yield misaligned(3, 1001, dtype)
     yield torch.randn(9, 5, device="cuda", dtype=dtype)  # C = 5: many rows per block's worth
-    yield torch.randn(3, 40000, device="cuda", dtype=dtype)  # beyond the register cache: read twice
+    yield torch.randn(3, 40000, device="cuda", dtype=dtype)  # beyond the register cache: streamed, stashed
+    yield torch.randn(2, 150001, device="cuda", dtype=dtype)  # odd, and too long to stash whole: a tail read twice
 
 
 def run(loss_fn, inputs, grad_of):

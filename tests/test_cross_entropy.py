@@ -116,8 +116,11 @@ def randn(*shape, dtype):
     return torch.randn(shape, device="cuda", dtype=torch.float32).mul(2).to(dtype)
 
 
-LONG_ROW = "row beyond the register cache (C = 40000, read twice)"
-STREAMED_ROW = "very long row (C = 270000, read twice)"
+# Rows beyond the register cache are streamed; with a gradient, their front is kept in
+# shared memory (227 KB on an H100) and the rest read a second time.
+LONG_ROW = "row beyond the register cache (C = 40000: whole in shared memory, fp64 in part)"
+ODD_LONG_ROW = "odd C = 40001 beyond the register cache (no 16-byte vectors)"
+STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read twice)"
 
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.
 SHAPES = {
@@ -130,6 +133,7 @@ SHAPES = {
     "odd C = 1001 (no 16-byte vectors)": lambda dtype: randn(9, 1001, dtype=dtype),
     "tiny C = 3, many rows": lambda dtype: randn(3000, 3, dtype=dtype),
     LONG_ROW: lambda dtype: randn(5, 40000, dtype=dtype),
+    ODD_LONG_ROW: lambda dtype: randn(3, 40001, dtype=dtype),
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
 }
@@ -232,7 +236,7 @@ def _option_id(options):
 
 
 CROSSED_SHAPES = ["7x1000", "1-D input (C,), 0-dim target", "3-D (N, C, d): classes in dim 1",
-                  "odd C = 1001 (no 16-byte vectors)", LONG_ROW, STREAMED_ROW]
+                  "odd C = 1001 (no 16-byte vectors)", LONG_ROW, ODD_LONG_ROW, STREAMED_ROW]
 
 
 @pytest.mark.gpu
@@ -353,7 +357,8 @@ def test_every_target_ignored_with_options_gives_torch_result(weight):
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("num_classes", [1000, 40000, 270000],
-                         ids=["row in registers", "row read twice", "very long row read twice"])
+                         ids=["row in registers", "streamed row (partly stashed in fp64)",
+                              "very long streamed row"])
 def test_masked_nan_and_inf_logits_match_torch(num_classes, reduction, label_smoothing):
     """-inf logits (masked classes), a NaN, a +inf, a row of only -inf, and -inf in the
     first column (the reference point of the smoothing sums on long rows)."""
