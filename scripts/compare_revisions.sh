@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Times the kernels of git revisions against the working tree, in one run on one GPU:
+# each version is copied to its own folder (its own builds, by content hash), then
+# bench.py --quick --impls ours runs on each in turn, ROUNDS times, so drift between
+# rounds shows up as the spread of one version's numbers.
+#   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
+# The working tree is always the last version ("work").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cases=${1:?usage: scripts/compare_revisions.sh CASES ROUNDS REV...} rounds=${2:?ROUNDS}
+shift 2
+scratch=$(mktemp -d)
+names=()
+for rev in "$@"; do
+  mkdir -p "$scratch/$rev" && git archive "$rev" | tar -x -C "$scratch/$rev" || exit 1
+  names+=("$rev")
+done
+mkdir -p "$scratch/work" && cp -r losses.py loader.py bench.py __init__.py kernels "$scratch/work/" && names+=(work)
+for name in "${names[@]}"; do  # builds first, in parallel, so timing runs build nothing
+  (cd "$scratch/$name" && python3 loader.py --arch "$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")" > "$scratch/build_$name.log" 2>&1) &
+done
+wait
+for round in $(seq "$rounds"); do
+  for name in "${names[@]}"; do
+    (cd "$scratch/$name" && python3 bench.py --quick --impls ours --cases "$cases" --json "$scratch/$name.json" \
+       --plot "$scratch/$name.png" 2>/dev/null | grep -E "^(ce|kl|mse)-" | sed "s/^/$name round $round  /")
+  done
+done
+rm -rf "$scratch"
