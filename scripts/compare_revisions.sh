@@ -10,14 +10,16 @@ cd "$(dirname "$0")/.."
 cases=${1:?usage: scripts/compare_revisions.sh CASES ROUNDS REV...} rounds=${2:?ROUNDS}
 shift 2
 scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT  # also when a step fails
 names=()
 for rev in "$@"; do
   mkdir -p "$scratch/$rev" && git archive "$rev" | tar -x -C "$scratch/$rev" || exit 1
   names+=("$rev")
 done
 mkdir -p "$scratch/work" && cp -r losses.py loader.py bench.py __init__.py kernels "$scratch/work/" && names+=(work)
+arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || exit 1
 for name in "${names[@]}"; do  # builds first, in parallel, so timing runs build nothing
-  (cd "$scratch/$name" && python3 loader.py --arch "$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")" > "$scratch/build_$name.log" 2>&1) &
+  (cd "$scratch/$name" && python3 loader.py --arch "$arch" > "$scratch/build_$name.log" 2>&1) &
 done
 wait
 for round in $(seq "$rounds"); do
@@ -26,4 +28,3 @@ for round in $(seq "$rounds"); do
        --plot "$scratch/$name.png" 2>/dev/null | grep -E "^(ce|kl|mse)-" | sed "s/^/$name round $round  /")
   done
 done
-rm -rf "$scratch"
