@@ -25,26 +25,42 @@ struct KlDivOp {
   // the floor without prefetch, 1.00x with; batches of 2 cost occupancy: fp16 1.26x -> 1.47x).
   static constexpr int kBatch = 1;
   static constexpr bool kPrefetch = true;
+  static constexpr bool kFastPath = true;
 
   bool log_input;
   bool log_target;
 
+  // Probabilities in, the common case: q log(q / p) needs one log and one division where
+  // the formula of compute() takes two logs and two divisions, and it is the more accurate
+  // where p is close to q (the log of a ratio near 1 has no cancellation). d/dp = -q / p,
+  // d/dq = log(q / p) + 1. It holds where the loss is finite and q != 0; elsewhere
+  // compute() decides, so special values come out exactly as torch's. For 2-byte inputs
+  // the hardware's approximations with subnormals flushed: a flushed ratio or p makes
+  // the loss infinite, which sends the pack to compute().
+  template <typename T, typename acc_t = at::opmath_type<T>>
+  __device__ __forceinline__ bool fast(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
+                                       acc_t& d_target) const {
+    if (log_input || log_target) return false;
+    acc_t ratio, log_ratio;
+    if constexpr (sizeof(T) == 2) {
+      float inverse, log2_ratio;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inverse) : "f"(input));
+      ratio = target * inverse;
+      asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_ratio) : "f"(ratio));
+      log_ratio = log2_ratio * kLn2;
+    } else {
+      ratio = target / input;
+      log_ratio = log_acc(ratio);
+    }
+    loss = target * log_ratio;
+    d_input = -ratio;
+    d_target = log_ratio + acc_t(1);
+    return isfinite(loss) && target != acc_t(0);
+  }
+
   template <typename T, typename acc_t = at::opmath_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs need, acc_t& loss, acc_t& d_input,
                                           acc_t& d_target) const {
-    if (!log_input && !log_target) {
-      // Probabilities in, the common case: q log(q / p) needs one log and one division
-      // where the formula below takes two logs and two divisions, and it is the more
-      // accurate where p is close to q (the log of a ratio near 1 has no cancellation).
-      // d/dp = -q / p, d/dq = log(q / p) + 1. Where that is not finite, or q == 0,
-      // the formula below decides, so special values come out exactly as torch's.
-      const acc_t ratio = div_for<T>(target, input);
-      const acc_t log_ratio = log_for<T>(ratio);
-      loss = target * log_ratio;
-      d_input = -ratio;
-      d_target = log_ratio + acc_t(1);
-      if (isfinite(loss) && target != acc_t(0)) return;
-    }
     const acc_t log_p = log_input ? input : log_for<T>(input);
     // d loss / d log p = -q; d / dp = that / p, as autograd through torch.log gives it.
     if (log_target) {
