@@ -131,6 +131,24 @@ def test_mixed_dtypes_promote_like_torch(dtypes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("subnormal", ["p", "q"])
+def test_bfloat16_subnormal_probabilities_match_float64(subnormal, reduction):
+    """bfloat16 holds values below float32's smallest normal. The fast path's reciprocal
+    flushes a subnormal p to 0 (an infinite ratio), which must send its pair to the exact
+    formula rather than an infinity into the loss; a subnormal q must keep its value
+    through the fast path's products. Some in every pack, next to ordinary values."""
+    p, q = (probabilities(8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        (p if subnormal == "p" else q)[:, ::7] = 3e-39
+    # d/dp = -q/p is about 1e37 where p is subnormal: it would drown every other element's
+    # error in the relative norm, so there only the loss and the target's gradient are checked.
+    check_against_float64(lambda p, q: losses.kl_div(p, q, reduction=reduction, log_input=False),
+                          lambda p, q: reference(p, q, reduction, log_input=False), [p, q],
+                          grad_of=(1,) if subnormal == "p" else (0, 1), case=f"subnormal {subnormal}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("log_input", [True, False], ids=["log_input", "probability_input"])
 @pytest.mark.parametrize("log_target", [False, True], ids=["prob_target", "log_target"])
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
