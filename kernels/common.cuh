@@ -189,32 +189,44 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
 // ---------------------------------------------------------------------------------
 // Launch geometry.
 
+// Values computed once per key and remembered: launch geometry asks the driver about the
+// GPU and a compiled kernel, whose answers never change (each query costs about a
+// microsecond). The lock makes it safe when several host threads launch at once.
+template <typename Key, typename Value>
+class Remembered {
+ public:
+  template <typename Compute>
+  Value get(const Key& key, Compute compute) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = values_.find(key);
+    if (found != values_.end()) return found->second;
+    return values_[key] = compute();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<Key, Value> values_;
+};
+
 inline int multiprocessor_count(int device) {
-  static int cached[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (cached[device] == 0) {
+  static Remembered<int, int> counts;
+  return counts.get(device, [&] {
     int count = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    cached[device] = count;
-  }
-  return cached[device];
+    return count;
+  });
 }
 
 // Blocks of `kernel` with `threads` threads and `dynamic_smem` bytes of dynamic shared
 // memory that one multiprocessor holds at once (its registers and shared memory decide).
-// Asked once per kernel, block size and shared memory: the answer depends only on the
-// compiled kernel, and the query costs about a microsecond.
 template <typename Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads, size_t dynamic_smem = 0) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, size_t>, int> cache;
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, dynamic_smem);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = cache.find(key);
-  if (found != cache.end()) return found->second;
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem));
-  return cache[key] = std::max(blocks, 1);
+  static Remembered<std::tuple<const void*, int, size_t>, int> blocks_per_sm;
+  return blocks_per_sm.get({reinterpret_cast<const void*>(kernel), threads, dynamic_smem}, [&] {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem));
+    return std::max(blocks, 1);
+  });
 }
 
 // A grid-stride launch of `kernel` over `work_items` items with `threads` per block: as
@@ -234,19 +246,17 @@ int64_t grid_for(Kernel kernel, int64_t work_items, int threads, int device, siz
 // kernel and device.
 template <typename Kernel>
 size_t max_dynamic_smem(Kernel kernel, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, size_t> cache;
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = cache.find(key);
-  if (found != cache.end()) return found->second;
-  int per_block = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const size_t budget = std::max<int64_t>(0, int64_t(per_block) - int64_t(attributes.sharedSizeBytes)) / 16 * 16;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(budget)));
-  return cache[key] = budget;
+  static Remembered<std::pair<const void*, int>, size_t> budgets;
+  return budgets.get({reinterpret_cast<const void*>(kernel), device}, [&] {
+    int per_block = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    const size_t budget =
+        std::max<int64_t>(0, int64_t(per_block) - int64_t(attributes.sharedSizeBytes)) / 16 * 16;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(budget)));
+    return budget;
+  });
 }
 
 // ---------------------------------------------------------------------------------
