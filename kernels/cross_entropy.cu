@@ -287,8 +287,8 @@ struct CrossEntropyParams {
   T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
   T* grad_target;         // (rows, C): probabilities
   // Rows beyond the register cache, when a gradient is written: how many packs of the
-  // row's front the first pass keeps in dynamic shared memory, so the gradient pass
-  // reads them from there rather than from L2 or HBM (0: none).
+  // row's front (at most all of them) the first pass keeps in dynamic shared memory, so
+  // the gradient pass reads them from there rather than from L2 or HBM (0: none).
   int64_t stash_packs;
 };
 
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   // Bytes, not Pack<T, VEC>: every instantiation of this template shares the one array.
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   Pack<T, VEC>* stash = reinterpret_cast<Pack<T, VEC>*>(dynamic_smem);
-  const int64_t stash_packs = params.stash_packs < num_packs ? params.stash_packs : num_packs;
+  const int64_t stash_packs = params.stash_packs;  // <= num_packs (row_launch)
   // The k-th pack of the row this thread caches, when it is < num_packs.
   auto cached_pack = [&](int k) { return threadIdx.x + int64_t(k) * blockDim.x; };
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
