@@ -8,6 +8,8 @@ by loader.py). When grad is needed and the reduction is a scalar, that kernel al
 writes the gradient, so backward only scales it by grad_output (read on the GPU; no
 host sync anywhere).
 
+Under CUDA autocast they give what torch's give there: a float32 loss (_autocast_operands).
+
 CPU tensors, and argument combinations the kernels do not cover yet, run
 torch.nn.functional itself: same results. Set FUSED_LOSSES_STRICT=1 to make such a
 fallback on a CUDA tensor raise instead (the GPU tests do, to prove the kernels ran).
@@ -92,6 +94,36 @@ def _wants_grad(tensor: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and tensor.requires_grad
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _under_autocast(tensor: torch.Tensor) -> bool:
+    """Whether CUDA's autocast applies to this tensor."""
+    return tensor.is_cuda and torch.is_autocast_enabled()  # no argument: CUDA's, torch 2.0 on
+
+
+def _autocast_operands(reduction: str, *operands):
+    """Under CUDA autocast, (operands, float_loss) as torch's autocast would have them.
+
+    torch runs these losses in float32 under autocast (its float32 list: log_softmax,
+    nll_loss, kl_div, mse_loss, log): float16 and bfloat16 operands are cast to float32 and
+    the loss is float32. Ours does the same, except that bfloat16 operands of a scalar loss
+    reach the kernel as they are: it computes in float32 anyway and writes the loss in
+    float32 (float_loss). Their gradient is rounded to bfloat16 before backward scales it by
+    grad_output, which bfloat16's float32-sized exponent range allows (a loss scale, a power
+    of two, scales it exactly). A float16 gradient rounded before a loss scale of 2**16
+    would flush most of a softmax's gradient to zero: float16 takes torch's way.
+    Outside autocast, or for operands not on CUDA: (operands, False), unchanged."""
+    if not _under_autocast(operands[0]):
+        return operands, False
+    floating = [t for t in operands if t is not None and t.is_floating_point()]
+    if not any(t.dtype in LOW_PRECISION for t in floating):
+        return operands, False
+    if reduction != "none" and all(t.dtype == torch.bfloat16 for t in floating):
+        return operands, True
+    return tuple(t.float() if t is not None and t.dtype in LOW_PRECISION else t for t in operands), False
+
+
 def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     """Backward of a scalar loss whose forward wrote the gradients: scale them in place
     by grad_output on the GPU (a no-op there when it is 1) and hand them to autograd.
@@ -129,9 +161,10 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
 # KERNEL_OPS mirrors the bindings at the end of each kernels/<kernel>.cu: op name ->
 # (schema without the name, fake). A changed kernel signature changes its row here.
 
-def _pointwise_forward_fake(input, target, reduction, scale, want_grad_input, want_grad_target, *op_args):
+def _pointwise_forward_fake(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
+                            *op_args):
     scalar_loss = reduction != REDUCTION_CODES["none"]
-    loss = input.new_empty(() if scalar_loss else input.shape)
+    loss = input.new_empty(() if scalar_loss else input.shape, dtype=torch.float32 if float_loss else input.dtype)
     grad_input = input.new_empty(input.shape if scalar_loss and want_grad_input else (0,))
     grad_target = input.new_empty(input.shape if scalar_loss and want_grad_target else (0,))
     return loss, grad_input, grad_target
@@ -142,11 +175,11 @@ def _pointwise_backward_fake(input, target, grad_output, want_grad_input, want_g
             input.new_empty(input.shape if want_grad_target else (0,)))
 
 
-def _cross_entropy_forward_fake(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                want_grad_logits, want_grad_target, want_lse, inplace):
+def _cross_entropy_forward_fake(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
+                                z_loss, want_grad_logits, want_grad_target, want_lse, inplace):
     scalar_loss = reduction != REDUCTION_CODES["none"]
     rows = logits.shape[0]
-    loss = logits.new_empty(() if scalar_loss else (rows,))
+    loss = logits.new_empty(() if scalar_loss else (rows,), dtype=torch.float32 if float_loss else logits.dtype)
     grad_logits = logits.new_empty(logits.shape if scalar_loss and want_grad_logits else (0,))
     grad_target = logits.new_empty(logits.shape if scalar_loss and want_grad_target else (0,))
     lse = logits.new_empty((rows,) if want_lse else (0,), dtype=_accumulation_dtype(logits.dtype))
@@ -163,8 +196,8 @@ def _scale_by_grad_output_fake(grad, grad_output):
     return None
 
 
-_POINTWISE_FORWARD = ("(Tensor input, Tensor target, int reduction, float scale, bool want_grad_input, "
-                      "bool want_grad_target{}) -> (Tensor, Tensor, Tensor)")
+_POINTWISE_FORWARD = ("(Tensor input, Tensor target, int reduction, float scale, bool float_loss, "
+                      "bool want_grad_input, bool want_grad_target{}) -> (Tensor, Tensor, Tensor)")
 _POINTWISE_BACKWARD = ("(Tensor input, Tensor target, Tensor grad_output, bool want_grad_input, "
                        "bool want_grad_target{}) -> (Tensor, Tensor)")
 _SCALE_BY_GRAD_OUTPUT = ("(Tensor(a!) grad, Tensor grad_output) -> ()", _scale_by_grad_output_fake)
@@ -184,8 +217,9 @@ KERNEL_OPS = {
     "cross_entropy": {
         # inplace=True returns the logits as their gradient: never passed under torch.compile.
         "forward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
-                    "float label_smoothing, float z_loss, bool want_grad_logits, bool want_grad_target, "
-                    "bool want_lse, bool inplace) -> (Tensor, Tensor, Tensor, Tensor)", _cross_entropy_forward_fake),
+                    "bool float_loss, float label_smoothing, float z_loss, bool want_grad_logits, "
+                    "bool want_grad_target, bool want_lse, bool inplace) -> (Tensor, Tensor, Tensor, Tensor)",
+                    _cross_entropy_forward_fake),
         "backward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, float label_smoothing, "
                      "float z_loss, Tensor grad_output, bool want_grad_logits, bool want_grad_target) "
                      "-> (Tensor, Tensor)", _cross_entropy_backward_fake),
@@ -234,9 +268,11 @@ _COMPILE_LIBRARIES = _define_compile_ops() if COMPILE_OPS else []
 
 class _PointwiseLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, target, kernel, reduction, scale, op_args, want_grad_input, want_grad_target):
+    def forward(ctx, input, target, kernel, reduction, scale, float_loss, op_args, want_grad_input,
+                want_grad_target):
         loss, grad_input, grad_target = _ops(kernel, input.device).forward(
-            input, target, REDUCTION_CODES[reduction], scale, want_grad_input, want_grad_target, *op_args)
+            input, target, REDUCTION_CODES[reduction], scale, float_loss, want_grad_input, want_grad_target,
+            *op_args)
         ctx.kernel, ctx.reduction, ctx.op_args = kernel, reduction, op_args
         ctx.want_grads = (want_grad_input, want_grad_target)
         ctx.grads_consumed = False
@@ -257,7 +293,7 @@ class _PointwiseLossFunction(torch.autograd.Function):
             grad_target = grad_target if ctx.want_grads[1] else None
         else:
             grad_input, grad_target = _backward_from_saved_grads(ctx, grad_output)
-        return grad_input, grad_target, None, None, None, None, None, None
+        return grad_input, grad_target, None, None, None, None, None, None, None
 
 
 def _pointwise_fusable(input: torch.Tensor, target: torch.Tensor) -> str | None:
@@ -287,11 +323,12 @@ def _pointwise_operands(input: torch.Tensor, target: torch.Tensor):
 
 
 def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
+    (input, target), float_loss = _autocast_operands(reduction, input, target)
     want_grad_input, want_grad_target = _wants_grad(input), _wants_grad(target)
     if not (want_grad_input or want_grad_target):  # no graph to record: skip autograd's bookkeeping
         ops = _ops(kernel, input.device)
-        return ops.forward(input, target, REDUCTION_CODES[reduction], scale, False, False, *op_args)[0]
-    return _PointwiseLossFunction.apply(input, target, kernel, reduction, scale, tuple(op_args),
+        return ops.forward(input, target, REDUCTION_CODES[reduction], scale, float_loss, False, False, *op_args)[0]
+    return _PointwiseLossFunction.apply(input, target, kernel, reduction, scale, float_loss, tuple(op_args),
                                         want_grad_input, want_grad_target)
 
 
@@ -386,10 +423,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
     held before."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+    def forward(ctx, logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
                 want_grad_logits, want_grad_target, want_lse, inplace):
         loss, grad_logits, grad_target, lse = _ops("cross_entropy", logits.device).forward(
-            logits, target, weight, ignore_index, REDUCTION_CODES[reduction], label_smoothing, z_loss,
+            logits, target, weight, ignore_index, REDUCTION_CODES[reduction], float_loss, label_smoothing, z_loss,
             want_grad_logits, want_grad_target, want_lse, inplace)
         ctx.kernel, ctx.reduction, ctx.grads_consumed = "cross_entropy", reduction, False
         ctx.arguments = (ignore_index, label_smoothing, z_loss)
@@ -413,7 +450,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, *unused_grads):
         if grad_output is None:  # the loss was not used
-            return (None,) * 11
+            return (None,) * 12
         if ctx.reduction == "none":
             logits, target, weight = ctx.saved_tensors
             grad_logits, grad_target = _ops(ctx.kernel, logits.device).backward(
@@ -422,7 +459,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             grad_target = grad_target if ctx.want_grads[1] else None
         else:
             grad_logits, grad_target = _backward_from_saved_grads(ctx, grad_output)
-        return (grad_logits, grad_target) + (None,) * 9
+        return (grad_logits, grad_target) + (None,) * 10
 
 
 def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss) -> None:
@@ -517,6 +554,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     if inplace_backward and input.is_leaf and input.requires_grad:
         raise ValueError("inplace_backward=True overwrites input with its gradient, which a leaf tensor that "
                          "requires grad does not allow; pass the logits from the model (a non-leaf tensor)")
+    (input, target, weight), float_loss = _autocast_operands(reduction, input, target, weight)
     why_not = _cross_entropy_fusable(input, target, weight)
     if why_not is not None:
         _check_fallback_allowed("cross_entropy", why_not, input)
@@ -535,7 +573,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
         rows_target = target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1)
     want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
-    arguments = (int(ignore_index), reduction, float(label_smoothing), float(z_loss))
+    arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
     if want_grad_logits or want_grad_target:
         # Compiled graphs are functional: there the gradient gets its own memory.
         inplace = inplace_backward and want_grad_logits and not is_compiling()

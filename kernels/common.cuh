@@ -536,6 +536,12 @@ T* data_or_null(const at::Tensor& tensor) {
   return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
 }
 
+// The 0-dim tensor a scalar loss is written to: in the input's dtype, or in float32 when
+// float_loss (what torch's autocast gives for these losses; losses.py asks for it there).
+inline at::Tensor scalar_loss_tensor(const at::Tensor& input, bool float_loss) {
+  return at::empty({}, input.options().dtype(float_loss ? at::kFloat : input.scalar_type()));
+}
+
 // Forward of a pointwise loss. Returns (loss, grad_input, grad_target); a gradient not
 // asked for is undefined (None in Python). `scale` is the reduction's factor (1/n for 'mean').
 // For reduction 'none' no gradient is computed here (it needs grad_output): see
@@ -543,13 +549,14 @@ T* data_or_null(const at::Tensor& tensor) {
 template <typename Op>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
     const at::Tensor& input_arg, const at::Tensor& target_arg, Op op, int64_t reduction, double scale,
-    bool want_grad_input, bool want_grad_target) {
+    bool float_loss, bool want_grad_input, bool want_grad_target) {
   check_matches_input(input_arg, "target", target_arg);
+  const bool scalar_loss = reduction != kNone;
+  TORCH_CHECK(scalar_loss || !float_loss, "float_loss is for scalar reductions");
   c10::cuda::CUDAGuard guard(input_arg.device());
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor target = target_arg.contiguous();
-  const bool scalar_loss = reduction != kNone;
-  at::Tensor loss = scalar_loss ? at::empty({}, input.options()) : at::empty_like(input);
+  at::Tensor loss = scalar_loss ? scalar_loss_tensor(input, float_loss) : at::empty_like(input);
   at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
   at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
   if (input.numel() == 0) return {loss, grad_input, grad_target};  // losses.py sends empty tensors to torch

@@ -712,15 +712,16 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
 }
 
 // Forward. Returns (loss, grad_logits, grad_target, lse):
-//   loss: 0-dim for a scalar reduction, (N,) for 'none';
+//   loss: 0-dim for a scalar reduction (float32 when float_loss, else logits' dtype),
+//     (N,) for 'none';
 //   grad_logits / grad_target: written for a scalar reduction when asked for (for 'none'
 //     see cross_entropy_backward); grad_logits is `logits` itself when inplace;
 //   lse: (N,) in the accumulation type when want_lse.
 // Whatever is not written is undefined (None in Python).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
     const at::Tensor& logits, const at::Tensor& target, const c10::optional<at::Tensor>& weight, int64_t ignore_index,
-    int64_t reduction, double label_smoothing, double z_loss, bool want_grad_logits, bool want_grad_target,
-    bool want_lse, bool inplace) {
+    int64_t reduction, bool float_loss, double label_smoothing, double z_loss, bool want_grad_logits,
+    bool want_grad_target, bool want_lse, bool inplace) {
   TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
               "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
   c10::cuda::CUDAGuard guard(logits.device());
@@ -728,8 +729,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
   const int64_t rows = in.logits.size(0);
   const bool scalar_loss = reduction != kNone;
+  TORCH_CHECK(scalar_loss || !float_loss, "cross_entropy: float_loss is for scalar reductions");
   const auto options = in.logits.options();
-  at::Tensor loss = scalar_loss ? at::empty({}, options) : at::empty({rows}, options);
+  at::Tensor loss = scalar_loss ? scalar_loss_tensor(in.logits, float_loss) : at::empty({rows}, options);
   CrossEntropyOutputs out;
   if (!scalar_loss) out.loss_per_row = loss;
   if (want_lse) out.lse = at::empty({rows}, options.dtype(in.accumulation_dtype()));

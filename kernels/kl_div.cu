@@ -85,15 +85,16 @@ struct KlDivOp {
 // ---------------------------------------------------------------------------------
 // Host entry points.
 
-// `scale` is the reduction's factor: 1/n for 'mean', 1/input.size(0) for 'batchmean'.
-// Returns (loss, grad_input, grad_target); gradients are written only for a scalar
-// reduction and when asked for, else they are undefined (None).
+// `scale` is the reduction's factor: 1/n for 'mean', 1/input.size(0) for 'batchmean';
+// float_loss: a scalar loss in float32. Returns (loss, grad_input, grad_target);
+// gradients are written only for a scalar reduction and when asked for, else they are
+// undefined (None).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target,
-                                                              int64_t reduction, double scale, bool want_grad_input,
-                                                              bool want_grad_target, bool log_input,
-                                                              bool log_target) {
-  return pointwise_loss_forward(input, target, KlDivOp{log_input, log_target}, reduction, scale, want_grad_input,
-                                want_grad_target);
+                                                              int64_t reduction, double scale, bool float_loss,
+                                                              bool want_grad_input, bool want_grad_target,
+                                                              bool log_input, bool log_target) {
+  return pointwise_loss_forward(input, target, KlDivOp{log_input, log_target}, reduction, scale, float_loss,
+                                want_grad_input, want_grad_target);
 }
 
 // Backward of reduction 'none'.

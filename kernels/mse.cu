@@ -35,13 +35,13 @@ struct SquaredErrorOp {
 // ---------------------------------------------------------------------------------
 // Host entry points.
 
-// `scale` is the reduction's factor (1/n for 'mean'). Returns (loss, grad_input,
-// grad_target); gradients are written only for a scalar reduction and when asked for,
-// else they are undefined (None).
+// `scale` is the reduction's factor (1/n for 'mean'); float_loss: a scalar loss in
+// float32. Returns (loss, grad_input, grad_target); gradients are written only for a
+// scalar reduction and when asked for, else they are undefined (None).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_forward(const at::Tensor& input, const at::Tensor& target,
-                                                           int64_t reduction, double scale, bool want_grad_input,
-                                                           bool want_grad_target) {
-  return pointwise_loss_forward(input, target, SquaredErrorOp{}, reduction, scale, want_grad_input,
+                                                           int64_t reduction, double scale, bool float_loss,
+                                                           bool want_grad_input, bool want_grad_target) {
+  return pointwise_loss_forward(input, target, SquaredErrorOp{}, reduction, scale, float_loss, want_grad_input,
                                 want_grad_target);
 }
 

@@ -39,3 +39,33 @@ def strict_and_seeded(monkeypatch, request):
     the fused kernel ran), and fresh random inputs from a seed the header prints."""
     monkeypatch.setenv("FUSED_LOSSES_STRICT", "1")
     torch.manual_seed(SEED + hash(request.node.nodeid) % 1000003)
+
+
+@pytest.fixture
+def kernels_modelled_on_cpu(monkeypatch):
+    """CPU tensors take the fused path, with the kernel ops replaced by the Python models
+    in kernel_models.py, reached through the same loader call a CUDA tensor takes (and on
+    torch 2.4+ through the stable ops that torch.compile traces)."""
+    import types
+
+    import kernel_models
+    import loader
+    import losses
+
+    builds = {kernel: types.SimpleNamespace(forward=forward, backward=backward,
+                                            scale_by_grad_output_=kernel_models.scale_by_grad_output_)
+              for kernel, (forward, backward) in kernel_models.MODELS.items()}
+    monkeypatch.setattr(loader, "load_for_device", lambda kernel, device: builds[kernel])
+    monkeypatch.setattr(losses, "_pointwise_fusable", lambda input, target: None)
+    monkeypatch.setattr(losses, "_cross_entropy_fusable", lambda *args: None)
+    libraries = []
+    for kernel, ops in (losses.KERNEL_OPS.items() if losses.COMPILE_OPS else ()):
+        library = torch.library.Library(f"fused_losses_{kernel}", "IMPL")
+        for op in ops:
+            library.impl(op, losses._call_build(kernel, op), "CPU")
+        libraries.append(library)
+    yield
+    for library in libraries:
+        library._destroy()
+    if losses.COMPILE_OPS:
+        torch._dynamo.reset()

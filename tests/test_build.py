@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import loader
+import losses
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = os.environ.get("FUSED_LOSSES_BUILD_ARCHS", "8.0 9.0").split()
@@ -42,13 +43,21 @@ def build_cli(*args, env=None, **kwargs):
                           text=True, **kwargs)
 
 
+def argument_and_return_types(schema):
+    """A schema's types in order (a build's inferred schema names its arguments _0, _1...)."""
+    return [str(a.type) for a in schema.arguments], [str(r.type) for r in schema.returns]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", loader.KERNELS)
 def test_kernel_builds_and_registers_its_ops(name, arch):
+    """...with the signatures losses.KERNEL_OPS declares for torch.compile (and that
+    losses.py calls them with)."""
     assert PROBLEM is None, PROBLEM
     ops = loader.load(name, arch=arch)
-    for op in ("forward", "backward", "scale_by_grad_output_"):
-        assert getattr(ops, op) is not None
+    for op, (declared, _) in losses.KERNEL_OPS[name].items():
+        built = getattr(ops, op).default._schema
+        assert argument_and_return_types(built) == argument_and_return_types(torch._C.parse_schema(op + declared)), op
 
 
 def test_cached_load_is_silent_and_fast():

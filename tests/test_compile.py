@@ -1,18 +1,14 @@
 """torch.compile(fullgraph=True) through each loss, forward and backward, equal to eager.
 
 On the GPU the real kernels run (torch >= 2.4). On CPU (CI) the same tracing runs with
-the kernels replaced by the Python models below, registered as the CPU implementation of
-the stable ops: that proves the losses trace without a graph break, the fakes agree with
+the kernels replaced by the Python models of kernel_models.py (the kernels_modelled_on_cpu
+fixture), registered as the CPU implementation of the stable ops: that proves the losses trace without a graph break, the fakes agree with
 the ops' outputs, and the in-place backward survives compilation.
 """
-import types
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import loader
 import losses
 
 needs_compile_ops = pytest.mark.skipif(
@@ -80,137 +76,6 @@ def check_compiled_matches_eager(case, device, backend):
 
 
 # ----------------------------------------------------------------------------------
-# Python models of the kernel ops: same signatures and outputs as kernels/*.cu.
-
-def pointwise_model(math):
-    """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element."""
-    def forward(input, target, reduction, scale, want_grad_input, want_grad_target, *op_args):
-        loss, grad_input, grad_target = math(input, target, *op_args)
-        if reduction == NONE:
-            return loss, input.new_empty(0), input.new_empty(0)  # outputs never alias each other
-        return (loss.double().sum().mul(scale).to(input.dtype),
-                grad_input * scale if want_grad_input else input.new_empty(0),
-                grad_target * scale if want_grad_target else input.new_empty(0))
-
-    def backward(input, target, grad_output, want_grad_input, want_grad_target, *op_args):
-        _, grad_input, grad_target = math(input, target, *op_args)
-        return (grad_input * grad_output if want_grad_input else input.new_empty(0),
-                grad_target * grad_output if want_grad_target else input.new_empty(0))
-
-    return forward, backward
-
-
-def squared_error(x, y):
-    return (x - y) ** 2, 2 * (x - y), -2 * (x - y)
-
-
-def kl_div_terms(input, target, log_input, log_target):
-    log_p = input if log_input else input.log()
-    q = target.exp() if log_target else target
-    grad_input = -q if log_input else -q / input
-    if log_target:
-        loss = q * (target - log_p)
-        return loss, grad_input, loss + q
-    return torch.xlogy(q, q) - q * log_p, grad_input, q.log() + 1 - log_p
-
-
-REDUCTION_NAMES = {code: name for name, code in losses.REDUCTION_CODES.items()}
-
-
-def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, want_grads,
-                        grad_output=None):
-    """The loss by torch's formula (losses._torch_cross_entropy), and the gradients of
-    logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
-    (an op's implementation runs below autograd). In the accumulation type."""
-    acc_dtype = losses._accumulation_dtype(logits.dtype)
-    x = logits.to(acc_dtype)
-    rows, num_classes = x.shape
-    probs = target.is_floating_point()
-    w = weight.to(acc_dtype) if weight is not None else x.new_ones(num_classes)
-    loss = losses._torch_cross_entropy(x, target.to(acc_dtype) if probs else target,
-                                       None if weight is None else weight.to(acc_dtype), ignore_index, reduction,
-                                       label_smoothing, z_loss, False)
-    log_softmax, lse = x.log_softmax(1), x.logsumexp(1)
-    p = log_softmax.exp()
-    share = label_smoothing / num_classes
-    if probs:
-        y = (1 - label_smoothing) * target.to(acc_dtype) + share
-        counted = x.new_ones(rows)
-        grad_x = p * (w * y).sum(1, keepdim=True) - w * y
-        grad_y = -(1 - label_smoothing) * w * log_softmax
-        divisor = z_divisor = rows
-    else:
-        counted = (target != ignore_index).to(acc_dtype)
-        classes = target.long().masked_fill(target == ignore_index, 0)
-        w_t = w[classes] * counted
-        grad_x = (1 - label_smoothing) * w_t[:, None] * (p - F.one_hot(classes, num_classes)) \
-            + share * (w.sum() * p - w) * counted[:, None]
-        grad_y = None
-        divisor, z_divisor = w_t.sum(), counted.sum()
-    if reduction == "none":
-        scale = z_scale = x.new_ones(rows) if grad_output is None else grad_output.to(acc_dtype)
-    elif reduction == "mean":
-        scale, z_scale = 1 / divisor, 1 / z_divisor
-    else:
-        scale = z_scale = 1.0
-    grad_x = grad_x * scale[:, None] if reduction == "none" else grad_x * scale
-    grad_x = grad_x + 2 * z_loss * (lse * counted * z_scale)[:, None] * p
-    if grad_y is not None:
-        grad_y = grad_y * scale[:, None] if reduction == "none" else grad_y * scale
-    grads = [grad.to(logits.dtype) if wanted else logits.new_empty(0) for grad, wanted in zip((grad_x, grad_y), want_grads)]
-    return loss, grads, lse
-
-
-def cross_entropy_forward(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                          want_grad_logits, want_grad_target, want_lse, inplace):
-    name = REDUCTION_NAMES[reduction]
-    wants = (want_grad_logits, want_grad_target) if name != "none" else (False, False)
-    loss, grads, lse = cross_entropy_terms(logits, target, weight, ignore_index, name, label_smoothing, z_loss,
-                                           wants)
-    return loss.to(logits.dtype), grads[0], grads[1], lse if want_lse else lse.new_empty(0)
-
-
-def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
-                           want_grad_logits, want_grad_target):
-    _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, "none", label_smoothing, z_loss,
-                                      (want_grad_logits, want_grad_target), grad_output.to(logits.dtype))
-    return tuple(grads)
-
-
-def scale_by_grad_output_(grad, grad_output):
-    grad.mul_(grad_output)
-
-
-MODELS = {
-    "mse": pointwise_model(squared_error),
-    "kl_div": pointwise_model(kl_div_terms),
-    "cross_entropy": (cross_entropy_forward, cross_entropy_backward),
-}
-
-
-@pytest.fixture
-def kernels_modelled_on_cpu(monkeypatch):
-    """CPU tensors take the fused path, and the stable ops run the models through the
-    same loader call a CUDA tensor takes."""
-    builds = {kernel: types.SimpleNamespace(forward=forward, backward=backward,
-                                            scale_by_grad_output_=scale_by_grad_output_)
-              for kernel, (forward, backward) in MODELS.items()}
-    monkeypatch.setattr(loader, "load_for_device", lambda kernel, device: builds[kernel])
-    monkeypatch.setattr(losses, "_pointwise_fusable", lambda input, target: None)
-    monkeypatch.setattr(losses, "_cross_entropy_fusable", lambda *args: None)
-    libraries = []
-    for kernel, ops in losses.KERNEL_OPS.items():
-        library = torch.library.Library(f"fused_losses_{kernel}", "IMPL")
-        for op in ops:
-            library.impl(op, losses._call_build(kernel, op), "CPU")
-        libraries.append(library)
-    yield
-    for library in libraries:
-        library._destroy()
-    torch._dynamo.reset()
-
-
-# ----------------------------------------------------------------------------------
 # The fakes: outputs of the shapes and dtypes the ops give.
 
 def op_calls(device):
@@ -218,9 +83,9 @@ def op_calls(device):
     x, y = torch.rand(6, 10, device=device) + 0.1, torch.rand(6, 10, device=device) + 0.1
     calls = []
     for kernel, op_args in (("mse", ()), ("kl_div", (False, False))):
-        for reduction in (NONE, MEAN):
+        for reduction, float_loss in ((NONE, False), (MEAN, False), (MEAN, True)):
             for wants in ((True, False), (False, True), (True, True), (False, False)):
-                calls.append((kernel, "forward", (x, y, reduction, 0.5, *wants, *op_args)))
+                calls.append((kernel, "forward", (x, y, reduction, 0.5, float_loss, *wants, *op_args)))
         calls.append((kernel, "backward", (x, y, torch.rand_like(x), True, False, *op_args)))
         calls.append((kernel, "backward", (x, y, torch.rand_like(x), False, True, *op_args)))
         calls.append((kernel, "scale_by_grad_output_", (x.clone(), torch.tensor(2.0, device=device))))
@@ -232,10 +97,10 @@ def op_calls(device):
         grad_output = torch.rand(10, device=device, dtype=dtype)
         for target, weights in ((indices, no_weight), (probabilities, weight)):
             probs = target.is_floating_point()
-            for reduction in (NONE, MEAN):
+            for reduction, float_loss in ((NONE, False), (MEAN, False), (MEAN, True)):
                 for want_grad_logits, want_lse in ((True, False), (False, True)):
-                    calls.append(("cross_entropy", "forward", (logits, target, weights, -100, reduction, 0.1, 1e-3,
-                                                               want_grad_logits, probs, want_lse, False)))
+                    calls.append(("cross_entropy", "forward", (logits, target, weights, -100, reduction, float_loss,
+                                                               0.1, 1e-3, want_grad_logits, probs, want_lse, False)))
             calls.append(("cross_entropy", "backward", (logits, target, weights, -100, 0.1, 1e-3, grad_output,
                                                         True, probs)))
     return calls
@@ -281,12 +146,13 @@ def test_fake_outputs_on_cuda_need_no_gpu():
         logits = torch.empty(5, 7, device="cuda", dtype=torch.bfloat16)
         target = torch.empty(5, device="cuda", dtype=torch.int64)
         loss, grad_logits, grad_target, lse = torch.ops.fused_losses_cross_entropy.forward(
-            logits, target, None, -100, NONE, 0.0, 0.0, True, False, True, False)
+            logits, target, None, -100, NONE, False, 0.0, 0.0, True, False, True, False)
         assert (loss.shape, grad_logits.shape, grad_target.shape, lse.shape, lse.dtype) == (
             (5,), (0,), (0,), (5,), torch.float32)
         assert loss.device.type == "cuda" and loss.dtype == torch.bfloat16
-        loss, grad_input, grad_target = torch.ops.fused_losses_mse.forward(logits, logits, MEAN, 0.1, True, False)
-        assert (loss.shape, grad_input.shape, grad_target.shape) == ((), (5, 7), (0,))
+        loss, grad_input, grad_target = torch.ops.fused_losses_mse.forward(logits, logits, MEAN, 0.1, True, True,
+                                                                           False)
+        assert (loss.shape, loss.dtype, grad_input.shape, grad_target.shape) == ((), torch.float32, (5, 7), (0,))
 
 
 def test_old_torch_runs_eagerly_without_the_stable_ops():

@@ -1,0 +1,116 @@
+"""Python models of the kernel ops: same signatures and outputs as kernels/*.cu, in torch
+ops, so that tests without a GPU can run losses.py's fused path on CPU tensors (the
+kernels_modelled_on_cpu fixture in conftest.py). They prove the plumbing (what reaches
+the ops, what autograd and torch.compile make of their outputs), never the kernels."""
+import torch
+import torch.nn.functional as F
+
+import losses
+
+NONE, MEAN = losses.REDUCTION_CODES["none"], losses.REDUCTION_CODES["mean"]
+
+def pointwise_model(math):
+    """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element."""
+    def forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target, *op_args):
+        loss, grad_input, grad_target = math(input, target, *op_args)
+        if reduction == NONE:
+            return loss, input.new_empty(0), input.new_empty(0)  # outputs never alias each other
+        return (loss.double().sum().mul(scale).to(torch.float32 if float_loss else input.dtype),
+                grad_input * scale if want_grad_input else input.new_empty(0),
+                grad_target * scale if want_grad_target else input.new_empty(0))
+
+    def backward(input, target, grad_output, want_grad_input, want_grad_target, *op_args):
+        _, grad_input, grad_target = math(input, target, *op_args)
+        return (grad_input * grad_output if want_grad_input else input.new_empty(0),
+                grad_target * grad_output if want_grad_target else input.new_empty(0))
+
+    return forward, backward
+
+
+def squared_error(x, y):
+    return (x - y) ** 2, 2 * (x - y), -2 * (x - y)
+
+
+def kl_div_terms(input, target, log_input, log_target):
+    log_p = input if log_input else input.log()
+    q = target.exp() if log_target else target
+    grad_input = -q if log_input else -q / input
+    if log_target:
+        loss = q * (target - log_p)
+        return loss, grad_input, loss + q
+    return torch.xlogy(q, q) - q * log_p, grad_input, q.log() + 1 - log_p
+
+
+REDUCTION_NAMES = {code: name for name, code in losses.REDUCTION_CODES.items()}
+
+
+def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, want_grads,
+                        grad_output=None):
+    """The loss by torch's formula (losses._torch_cross_entropy), and the gradients of
+    logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
+    (an op's implementation runs below autograd). In the accumulation type."""
+    acc_dtype = losses._accumulation_dtype(logits.dtype)
+    x = logits.to(acc_dtype)
+    rows, num_classes = x.shape
+    probs = target.is_floating_point()
+    w = weight.to(acc_dtype) if weight is not None else x.new_ones(num_classes)
+    loss = losses._torch_cross_entropy(x, target.to(acc_dtype) if probs else target,
+                                       None if weight is None else weight.to(acc_dtype), ignore_index, reduction,
+                                       label_smoothing, z_loss, False)
+    log_softmax, lse = x.log_softmax(1), x.logsumexp(1)
+    p = log_softmax.exp()
+    share = label_smoothing / num_classes
+    if probs:
+        y = (1 - label_smoothing) * target.to(acc_dtype) + share
+        counted = x.new_ones(rows)
+        grad_x = p * (w * y).sum(1, keepdim=True) - w * y
+        grad_y = -(1 - label_smoothing) * w * log_softmax
+        divisor = z_divisor = rows
+    else:
+        counted = (target != ignore_index).to(acc_dtype)
+        classes = target.long().masked_fill(target == ignore_index, 0)
+        w_t = w[classes] * counted
+        grad_x = (1 - label_smoothing) * w_t[:, None] * (p - F.one_hot(classes, num_classes)) \
+            + share * (w.sum() * p - w) * counted[:, None]
+        grad_y = None
+        divisor, z_divisor = w_t.sum(), counted.sum()
+    if reduction == "none":
+        scale = z_scale = x.new_ones(rows) if grad_output is None else grad_output.to(acc_dtype)
+    elif reduction == "mean":
+        scale, z_scale = 1 / divisor, 1 / z_divisor
+    else:
+        scale = z_scale = 1.0
+    grad_x = grad_x * scale[:, None] if reduction == "none" else grad_x * scale
+    grad_x = grad_x + 2 * z_loss * (lse * counted * z_scale)[:, None] * p
+    if grad_y is not None:
+        grad_y = grad_y * scale[:, None] if reduction == "none" else grad_y * scale
+    grads = [grad.to(logits.dtype) if wanted else logits.new_empty(0) for grad, wanted in zip((grad_x, grad_y), want_grads)]
+    return loss, grads, lse
+
+
+def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
+                          want_grad_logits, want_grad_target, want_lse, inplace):
+    name = REDUCTION_NAMES[reduction]
+    wants = (want_grad_logits, want_grad_target) if name != "none" else (False, False)
+    loss, grads, lse = cross_entropy_terms(logits, target, weight, ignore_index, name, label_smoothing, z_loss,
+                                           wants)
+    return (loss.to(torch.float32 if float_loss else logits.dtype), grads[0], grads[1],
+            lse if want_lse else lse.new_empty(0))
+
+
+def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
+                           want_grad_logits, want_grad_target):
+    _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, "none", label_smoothing, z_loss,
+                                      (want_grad_logits, want_grad_target), grad_output.to(logits.dtype))
+    return tuple(grads)
+
+
+def scale_by_grad_output_(grad, grad_output):
+    grad.mul_(grad_output)
+
+
+MODELS = {
+    "mse": pointwise_model(squared_error),
+    "kl_div": pointwise_model(kl_div_terms),
+    "cross_entropy": (cross_entropy_forward, cross_entropy_backward),
+}

@@ -1,0 +1,136 @@
+"""Under CUDA autocast every loss behaves as torch's does there: a float32 loss, and
+gradients that a loss scale of 2**16 (GradScaler's) reaches before they are rounded.
+
+torch runs these losses in float32 under autocast. Ours casts float16 operands to
+float32 as torch does; bfloat16 operands of a scalar loss reach the kernel as they are
+and the kernel writes the loss in float32 (losses._autocast_operands says why).
+"""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import losses
+from helpers import FLOOR, LOSSES, check_against_float64, loss_and_grads
+
+LOSS_SCALE = 2.0 ** 16  # GradScaler's initial scale
+
+
+def under_autocast(fn, dtype):
+    def run(*inputs):
+        with torch.autocast("cuda", dtype=dtype):
+            return fn(*inputs)
+    return run
+
+
+# ----------------------------------------------------------------------------------
+# CPU (CI): what reaches the kernel ops, with the ops modelled in Python and autocast
+# taken as on.
+
+@pytest.fixture
+def forward_calls(kernels_modelled_on_cpu, monkeypatch):
+    """Every forward op call's arguments, in order; CPU tensors count as under autocast."""
+    calls = []
+    unspied = losses._ops
+
+    def spied(kernel, device):
+        ops = unspied(kernel, device)
+
+        def forward(*args):
+            calls.append((kernel, args))
+            return ops.forward(*args)
+        return types.SimpleNamespace(forward=forward, backward=ops.backward,
+                                     scale_by_grad_output_=ops.scale_by_grad_output_)
+    monkeypatch.setattr(losses, "_ops", spied)
+    monkeypatch.setattr(losses, "_under_autocast", lambda tensor: True)
+    return calls
+
+
+def what_the_op_got(kernel, args):
+    """(dtype of the first operand, float_loss) of a forward op call."""
+    float_loss_at = 5 if kernel == "cross_entropy" else 4  # after the reduction's arguments
+    return args[0].dtype, args[float_loss_at]
+
+
+def softmax(x):  # in float32: older torch has no float16 softmax on CPU
+    return x.float().softmax(-1).to(x.dtype)
+
+
+CPU_CASES = {
+    "mse_loss": lambda x, y, reduction: losses.mse_loss(x, y, reduction=reduction),
+    "kl_div": lambda x, y, reduction: losses.kl_div(softmax(x), softmax(y), reduction=reduction, log_input=False),
+    "cross_entropy": lambda x, y, reduction: losses.cross_entropy(x, y.float().argmax(-1), reduction=reduction),
+    "cross_entropy probabilities": lambda x, y, reduction: losses.cross_entropy(x, softmax(y), reduction=reduction),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+@pytest.mark.parametrize("dtype,reduction,kernel_dtype,float_loss", [
+    (torch.bfloat16, "sum", torch.bfloat16, True),    # the fast path: bf16 in, float32 loss out
+    (torch.float16, "sum", torch.float32, False),     # torch's way: cast to float32
+    (torch.bfloat16, "none", torch.float32, False),   # a per-element loss: torch's way
+    (torch.float32, "sum", torch.float32, False),     # nothing to cast
+], ids=str)
+def test_what_reaches_the_kernel_under_autocast(case, dtype, reduction, kernel_dtype, float_loss, forward_calls):
+    x = torch.randn(6, 10, dtype=dtype, requires_grad=True)
+    y = torch.randn(6, 10, dtype=dtype)
+    loss = CPU_CASES[case](x, y, reduction)
+    (kernel, args), = forward_calls
+    assert what_the_op_got(kernel, args) == (kernel_dtype, float_loss)
+    assert loss.dtype == torch.float32
+    loss.sum().mul(2.5).backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+
+
+def test_a_float32_weight_with_bfloat16_logits_is_computed_in_float32(forward_calls):
+    """torch's autocast casts every operand to float32; the kernel takes one dtype."""
+    logits = torch.randn(6, 10, dtype=torch.bfloat16)
+    losses.cross_entropy(logits, torch.randint(0, 10, (6,)), weight=torch.rand(10))
+    (kernel, args), = forward_calls
+    assert what_the_op_got(kernel, args) == (torch.float32, False)
+
+
+def test_outside_autocast_nothing_changes(kernels_modelled_on_cpu):
+    x = torch.randn(6, 10, dtype=torch.bfloat16)
+    assert losses.mse_loss(x, torch.randn_like(x)).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------
+# GPU: the real kernels against torch under autocast, backward from a loss scale.
+
+GPU_CASES = [(name, reduction, dtype)
+             for name, loss in LOSSES.items()
+             for reduction in loss.reductions
+             for dtype in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,reduction,dtype", GPU_CASES, ids=str)
+def test_matches_torch_under_autocast_with_a_loss_scale(name, reduction, dtype):
+    loss = LOSSES[name]
+    inputs = loss.inputs(67, 1000, dtype)
+    # A mean's gradient is small enough for GradScaler's scale; a sum's would overflow
+    # float16 with it (torch's as well): 8 there. 'none': random per element.
+    grad_output = {"mean": LOSS_SCALE, "batchmean": LOSS_SCALE, "sum": 8.0}.get(reduction)
+    grad_output = None if grad_output is None else torch.tensor(grad_output)
+    ours_errors, eager_errors = check_against_float64(
+        under_autocast(loss.fused(reduction), dtype), under_autocast(loss.reference(reduction), dtype), inputs,
+        grad_of=loss.grad_of, grad_output=grad_output, case=name)
+    # The loss is float32 on both sides: held to float32's floor, not the inputs' dtype's.
+    assert ours_errors[0] <= max(eager_errors[0], FLOOR[torch.float32]), (name, ours_errors[0], eager_errors[0])
+
+
+@pytest.mark.gpu
+def test_float16_softmax_gradient_is_not_flushed_before_the_loss_scale():
+    """Most dlogits of a wide softmax, (p - onehot) / N, are below float16's smallest
+    subnormal until the loss scale multiplies them: rounded first, they would be 0."""
+    logits = torch.randn(512, 8192, device="cuda").mul(2).half()
+    target = torch.randint(0, 8192, (512,), device="cuda")
+    grads = []
+    for fn in (F.cross_entropy, losses.cross_entropy):
+        _, (grad,) = loss_and_grads(under_autocast(fn, torch.float16), [logits, target], (0,),
+                                    torch.tensor(LOSS_SCALE, device="cuda"))
+        grads.append(grad)
+    torch_zeros, ours_zeros = [(grad == 0).float().mean().item() for grad in grads]
+    assert ours_zeros <= torch_zeros + 1e-3, (ours_zeros, torch_zeros)
