@@ -4,6 +4,7 @@
 # bench.py --quick --impls ours runs on each in turn, ROUNDS times, so drift between
 # rounds shows up as the spread of one version's numbers.
 #   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
+# A REV that is a .patch file stands for HEAD with that patch applied (notes/experiments/).
 # The working tree is always the last version ("work").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +14,15 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT  # also when a step fails
 names=()
 for rev in "$@"; do
-  mkdir -p "$scratch/$rev" && git archive "$rev" | tar -x -C "$scratch/$rev" || exit 1
-  names+=("$rev")
+  if [[ $rev == *.patch ]]; then
+    name=$(basename "$rev" .patch)
+    mkdir -p "$scratch/$name" && git archive HEAD | tar -x -C "$scratch/$name" &&
+      (cd "$scratch/$name" && git apply) < "$rev" || exit 1
+  else
+    name=$rev
+    mkdir -p "$scratch/$name" && git archive "$rev" | tar -x -C "$scratch/$name" || exit 1
+  fi
+  names+=("$name")
 done
 mkdir -p "$scratch/work" && cp -r losses.py loader.py bench.py __init__.py kernels "$scratch/work/" && names+=(work)
 arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || exit 1
