@@ -124,6 +124,19 @@ def _autocast_operands(reduction: str, *operands):
     return tuple(t.float() if t is not None and t.dtype in LOW_PRECISION else t for t in operands), False
 
 
+def _check_no_create_graph() -> None:
+    """In backward: grad mode is on there only for backward(create_graph=True), whose
+    gradients are to be differentiated again. Ours have no graph of their own (the kernel
+    wrote them), so they would count as constants there: a silently wrong second derivative
+    (MAML, gradient penalties). (@once_differentiable does not catch it: it only looks at
+    whether grad_output requires grad.) Under torch.compile, AOTAutograd refuses double
+    backward itself."""
+    if torch.is_grad_enabled() and not is_compiling():
+        raise RuntimeError("the fused losses have no second derivative: backward(create_graph=True) or "
+                           "torch.autograd.grad(..., create_graph=True) through one would treat its gradient as "
+                           "a constant; use torch.nn.functional's loss where the gradient is differentiated again")
+
+
 def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     """Backward of a scalar loss whose forward wrote the gradients: scale them in place
     by grad_output on the GPU (a no-op there when it is 1) and hand them to autograd.
@@ -285,6 +298,7 @@ class _PointwiseLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        _check_no_create_graph()
         if ctx.reduction == "none":
             input, target = ctx.saved_tensors
             grad_input, grad_target = _ops(ctx.kernel, input.device).backward(
@@ -451,6 +465,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output, *unused_grads):
         if grad_output is None:  # the loss was not used
             return (None,) * 12
+        _check_no_create_graph()
         if ctx.reduction == "none":
             logits, target, weight = ctx.saved_tensors
             grad_logits, grad_target = _ops(ctx.kernel, logits.device).backward(

@@ -120,41 +120,43 @@ def check_special_values_match_torch(fused, reference, inputs, grad_of=(0,), rto
 class Loss(NamedTuple):
     fused: Callable            # reduction -> ours, called on the inputs
     reference: Callable        # reduction -> torch's, called on the inputs
-    inputs: Callable           # (rows, cols, dtype) -> list of CUDA tensors, fresh random values
+    inputs: Callable           # (rows, cols, dtype, device="cuda") -> list of tensors, fresh random values
     grad_of: Tuple[int, ...]   # inputs that can get gradients
     reductions: Tuple[str, ...]
 
 
-def random_logits(rows, cols, dtype):
-    return torch.randn(rows, cols, device="cuda").mul(2).to(dtype)
+def random_logits(rows, cols, dtype, device="cuda"):
+    return torch.randn(rows, cols, device=device).mul(2).to(dtype)
 
 
-def random_probabilities(rows, cols, dtype):
-    return torch.randn(rows, cols, device="cuda").softmax(-1).to(dtype)
+def random_probabilities(rows, cols, dtype, device="cuda"):
+    return torch.randn(rows, cols, device=device).softmax(-1).to(dtype)
 
 
-def random_class_targets(rows, cols, ignore_index=-100):
+def random_class_targets(rows, cols, ignore_index=-100, device="cuda"):
     """int64 class indices in [0, cols), about a quarter of them ignore_index."""
-    target = torch.randint(0, cols, (rows,), device="cuda")
-    return target.masked_fill(torch.rand(rows, device="cuda") < 0.25, ignore_index)
+    target = torch.randint(0, cols, (rows,), device=device)
+    return target.masked_fill(torch.rand(rows, device=device) < 0.25, ignore_index)
 
 
 LOSSES = {
     "mse_loss": Loss(
         fused=lambda reduction: lambda x, y: losses.mse_loss(x, y, reduction=reduction),
         reference=lambda reduction: lambda x, y: F.mse_loss(x, y, reduction=reduction),
-        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_logits(rows, cols, dtype)],
+        inputs=lambda rows, cols, dtype, device="cuda": [random_logits(rows, cols, dtype, device),
+                                                         random_logits(rows, cols, dtype, device)],
         grad_of=(0, 1), reductions=("mean", "sum", "none")),
     "kl_div": Loss(  # probabilities in, the log fused: the seeds' use
         fused=lambda reduction: lambda p, q: losses.kl_div(p, q, reduction=reduction, log_input=False),
         reference=lambda reduction: lambda p, q: F.kl_div(torch.log(p), q, reduction=reduction),
-        inputs=lambda rows, cols, dtype: [random_probabilities(rows, cols, dtype),
-                                          random_probabilities(rows, cols, dtype)],
+        inputs=lambda rows, cols, dtype, device="cuda": [random_probabilities(rows, cols, dtype, device),
+                                                         random_probabilities(rows, cols, dtype, device)],
         grad_of=(0, 1), reductions=("batchmean", "sum", "none")),
     "cross_entropy": Loss(
         fused=lambda reduction: lambda x, t: losses.cross_entropy(x, t, reduction=reduction),
         reference=lambda reduction: lambda x, t: F.cross_entropy(x, t, reduction=reduction),
-        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_class_targets(rows, cols)],
+        inputs=lambda rows, cols, dtype, device="cuda": [random_logits(rows, cols, dtype, device),
+                                                         random_class_targets(rows, cols, device=device)],
         grad_of=(0,), reductions=("mean", "sum", "none")),
     # The other kernel paths: class sums (label smoothing), weights, z-loss; soft labels.
     "cross_entropy weight+smoothing+z": Loss(
@@ -162,12 +164,14 @@ LOSSES = {
             x, t, weight=class_weights(x), reduction=reduction, label_smoothing=0.1, z_loss=1e-3),
         reference=lambda reduction: lambda x, t: losses._torch_cross_entropy(
             x, t, class_weights(x), -100, reduction, 0.1, 1e-3, False),
-        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_class_targets(rows, cols)],
+        inputs=lambda rows, cols, dtype, device="cuda": [random_logits(rows, cols, dtype, device),
+                                                         random_class_targets(rows, cols, device=device)],
         grad_of=(0,), reductions=("mean", "sum", "none")),
     "cross_entropy probabilities": Loss(
         fused=lambda reduction: lambda x, y: losses.cross_entropy(x, y, reduction=reduction, label_smoothing=0.1),
         reference=lambda reduction: lambda x, y: F.cross_entropy(x, y, reduction=reduction, label_smoothing=0.1),
-        inputs=lambda rows, cols, dtype: [random_logits(rows, cols, dtype), random_probabilities(rows, cols, dtype)],
+        inputs=lambda rows, cols, dtype, device="cuda": [random_logits(rows, cols, dtype, device),
+                                                         random_probabilities(rows, cols, dtype, device)],
         grad_of=(0, 1), reductions=("mean", "sum", "none")),
 }
 

@@ -21,3 +21,29 @@ def test_grad_output_not_one(name, reduction, grad_of):
     fused, reference = loss.fused(reduction), loss.reference(reduction)
     check_against_float64(lambda *inputs: fused(*inputs) * 2.5, lambda *inputs: reference(*inputs) * 2.5,
                           loss.inputs(7, 1000, torch.float32), grad_of=grad_of, case=name)
+
+
+# ----------------------------------------------------------------------------------
+# A gradient that will be differentiated again (backward(create_graph=True): MAML, gradient
+# penalties) cannot come from a kernel that wrote it with no graph: a clear error, never a
+# second derivative that silently treats it as a constant.
+
+CREATE_GRAPH_CASES = [(name, reduction) for name, loss in LOSSES.items() for reduction in ("sum", "none")]
+
+
+def check_create_graph_raises(loss_fn, inputs):
+    leaf = inputs[0].detach().requires_grad_()
+    loss = loss_fn(leaf, *inputs[1:]).sum()
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss, leaf, create_graph=True)
+
+
+@pytest.mark.parametrize("name,reduction", CREATE_GRAPH_CASES, ids=str)
+def test_create_graph_raises_on_cpu_models(name, reduction, kernels_modelled_on_cpu):
+    check_create_graph_raises(LOSSES[name].fused(reduction), LOSSES[name].inputs(7, 100, torch.float32, "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,reduction", CREATE_GRAPH_CASES, ids=str)
+def test_create_graph_raises(name, reduction):
+    check_create_graph_raises(LOSSES[name].fused(reduction), LOSSES[name].inputs(7, 100, torch.float32))
