@@ -53,29 +53,17 @@ def what_the_op_got(kernel, args):
     return args[0].dtype, args[float_loss_at]
 
 
-def softmax(x):  # in float32: older torch has no float16 softmax on CPU
-    return x.float().softmax(-1).to(x.dtype)
-
-
-CPU_CASES = {
-    "mse_loss": lambda x, y, reduction: losses.mse_loss(x, y, reduction=reduction),
-    "kl_div": lambda x, y, reduction: losses.kl_div(softmax(x), softmax(y), reduction=reduction, log_input=False),
-    "cross_entropy": lambda x, y, reduction: losses.cross_entropy(x, y.float().argmax(-1), reduction=reduction),
-    "cross_entropy probabilities": lambda x, y, reduction: losses.cross_entropy(x, softmax(y), reduction=reduction),
-}
-
-
-@pytest.mark.parametrize("case", list(CPU_CASES))
+@pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("dtype,reduction,kernel_dtype,float_loss", [
     (torch.bfloat16, "sum", torch.bfloat16, True),    # the fast path: bf16 in, float32 loss out
     (torch.float16, "sum", torch.float32, False),     # torch's way: cast to float32
     (torch.bfloat16, "none", torch.float32, False),   # a per-element loss: torch's way
     (torch.float32, "sum", torch.float32, False),     # nothing to cast
 ], ids=str)
-def test_what_reaches_the_kernel_under_autocast(case, dtype, reduction, kernel_dtype, float_loss, forward_calls):
-    x = torch.randn(6, 10, dtype=dtype, requires_grad=True)
-    y = torch.randn(6, 10, dtype=dtype)
-    loss = CPU_CASES[case](x, y, reduction)
+def test_what_reaches_the_kernel_under_autocast(name, dtype, reduction, kernel_dtype, float_loss, forward_calls):
+    x, *others = LOSSES[name].inputs(6, 10, dtype, "cpu")
+    x.requires_grad_()
+    loss = LOSSES[name].fused(reduction)(x, *others)
     (kernel, args), = forward_calls
     assert what_the_op_got(kernel, args) == (kernel_dtype, float_loss)
     assert loss.dtype == torch.float32
