@@ -8,17 +8,10 @@ from pathlib import Path
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "explore.ipynb"
 
-# Jupyter's IPython.display, where IPython is not installed (requirements.txt leaves it
-# out): the cells' display() calls then show nothing.
+# The notebook's cells, in order, in one namespace. IPython need not be installed
+# (requirements.txt leaves it out): the notebook then prints where its plot is.
 RUN_CELLS = """
-import json, sys, types
-try:
-    import IPython.display
-except ImportError:
-    display = types.ModuleType("IPython.display")
-    display.Image = display.display = lambda *args, **kwargs: None
-    sys.modules["IPython"] = types.ModuleType("IPython")
-    sys.modules["IPython.display"] = display
+import json, sys
 namespace = {"__name__": "__main__"}
 cells = [cell for cell in json.load(open(sys.argv[1]))["cells"] if cell["cell_type"] == "code"]
 for number, cell in enumerate(cells, 1):
