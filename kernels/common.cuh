@@ -218,11 +218,13 @@ inline int multiprocessor_count(int device) {
 }
 
 // Blocks of `kernel` with `threads` threads and `dynamic_smem` bytes of dynamic shared
-// memory that one multiprocessor holds at once (its registers and shared memory decide).
+// memory that one multiprocessor of `device` (the current device) holds at once (its
+// registers and shared memory decide). Per device: GPUs of different architectures in one
+// machine hold different numbers.
 template <typename Kernel>
-int resident_blocks_per_sm(Kernel kernel, int threads, size_t dynamic_smem = 0) {
-  static Remembered<std::tuple<const void*, int, size_t>, int> blocks_per_sm;
-  return blocks_per_sm.get({reinterpret_cast<const void*>(kernel), threads, dynamic_smem}, [&] {
+int resident_blocks_per_sm(Kernel kernel, int threads, int device, size_t dynamic_smem) {
+  static Remembered<std::tuple<const void*, int, int, size_t>, int> blocks_per_sm;
+  return blocks_per_sm.get({reinterpret_cast<const void*>(kernel), threads, device, dynamic_smem}, [&] {
     int blocks = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem));
     return std::max(blocks, 1);
@@ -235,7 +237,7 @@ int resident_blocks_per_sm(Kernel kernel, int threads, size_t dynamic_smem = 0) 
 template <typename Kernel>
 int64_t grid_for(Kernel kernel, int64_t work_items, int threads, int device, size_t dynamic_smem = 0) {
   const int64_t resident =
-      int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads, dynamic_smem);
+      int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads, device, dynamic_smem);
   const int64_t needed = (work_items + threads - 1) / threads;
   return std::max<int64_t>(1, std::min(resident, needed));
 }
