@@ -4,7 +4,7 @@
 # bench.py --quick --impls ours runs on each in turn, ROUNDS times, so drift between
 # rounds shows up as the spread of one version's numbers.
 #   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
-# A REV that is a .patch file stands for HEAD with that patch applied (notes/experiments/).
+# A REV that is a .patch file stands for HEAD with that patch applied.
 # The working tree is always the last version ("work").
 set -uo pipefail
 cd "$(dirname "$0")/.."
