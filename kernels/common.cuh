@@ -134,6 +134,28 @@ inline bool is_aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
+inline uintptr_t offset_from_16_bytes(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16;
+}
+
+// A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
+// 16-byte boundary (a multiple of the element size): a few elements more are allocated
+// (the allocator's blocks start aligned) and viewed from there.
+inline at::Tensor empty_at_offset(const at::Tensor& like, uintptr_t offset) {
+  if (offset == 0) return at::empty(like.sizes(), like.options());
+  const int64_t element = like.element_size();
+  return at::empty({like.numel() + 16 / element}, like.options())
+      .narrow(0, static_cast<int64_t>(offset) / element, like.numel())
+      .view(like.sizes());
+}
+
+// `tensor` (contiguous) itself when it starts `offset` bytes past a 16-byte boundary,
+// else a copy that does.
+inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
+  if (offset_from_16_bytes(tensor.data_ptr()) == offset) return tensor;
+  return empty_at_offset(tensor, offset).copy_(tensor);
+}
+
 // ---------------------------------------------------------------------------------
 // Reductions. block_allreduce gives every thread the result; blockDim.x must be a
 // multiple of 32 (all launchers here use 32..512 threads).

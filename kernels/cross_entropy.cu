@@ -220,6 +220,32 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
   if (kProbs && grad_y != nullptr) store_pack_streaming<T, VEC>(grad_y + first_class, dy);
 }
 
+// Where a row's 16-byte packs lie. With kEdges (C % VEC != 0, or tensors that start off
+// a 16-byte boundary) they start at the row's first 16-byte aligned element, `head`
+// elements in (fewer than VEC), and fewer than VEC elements are left after the last
+// whole pack. Those edge elements go one per thread: thread i < head holds class i, and
+// head <= i < num_edges class i + num_packs * VEC. So a row of odd length (a 50257-class
+// vocabulary) is read in 16-byte packs all the same. Every tensor of a row sits at the
+// logits' offset from 16 bytes (launch_cross_entropy), so the logits' head is theirs.
+// Without kEdges every row starts aligned and is whole packs: nothing to compute per row.
+template <typename T, int VEC, bool kEdges>
+struct RowEdges {
+  int head = 0;
+  int64_t num_packs;
+  int num_edges = 0;
+
+  __device__ __forceinline__ RowEdges(const T* row, int64_t num_classes) : num_packs(num_classes / VEC) {
+    if constexpr (kEdges) {
+      const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(row) % 16 / sizeof(T));
+      head = misaligned == 0 ? 0 : static_cast<int>(num_classes < VEC - misaligned ? num_classes : VEC - misaligned);
+      num_packs = (num_classes - head) / VEC;
+      num_edges = static_cast<int>(num_classes - num_packs * VEC);
+    }
+  }
+  __device__ __forceinline__ bool has(int i) const { return kEdges && i < num_edges; }
+  __device__ __forceinline__ int64_t class_of(int i) const { return i < head ? i : i + num_packs * VEC; }
+};
+
 struct RowTarget {
   int64_t index;
   bool ignored;  // == ignore_index: contributes no loss and a zero gradient
@@ -298,7 +324,7 @@ struct CrossEntropyParams {
 // with an online max/sum; for the gradient, its front comes from the shared-memory stash
 // and the rest is read again, mostly from L2. Two instantiations rather than one kernel
 // with both paths: each path's registers are then its own.
-template <typename T, typename index_t, int VEC, bool kProbs, bool kClassSums, bool kStreamed>
+template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed>
 __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropyParams<T> params) {
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
@@ -309,13 +335,11 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   __shared__ ClassSums<sum_t> scratch_sums[kClassSums ? 32 : 1];
   __shared__ sum_t scratch_sum[32];
   const int64_t num_classes = params.num_classes;
-  const int64_t num_packs = num_classes / VEC;
   constexpr bool row_in_registers = !kStreamed;
   // Bytes, not Pack<T, VEC>: every instantiation of this template shares the one array.
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   Pack<T, VEC>* stash = reinterpret_cast<Pack<T, VEC>*>(dynamic_smem);
-  const int64_t stash_packs = params.stash_packs;  // <= num_packs (row_launch)
-  // The k-th pack of the row this thread caches, when it is < num_packs.
+  // The k-th pack of the row this thread caches, when it is < the row's num_packs.
   auto cached_pack = [&](int k) { return threadIdx.x + int64_t(k) * blockDim.x; };
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
@@ -369,6 +393,23 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
     acc_t first_logit = kClassSums && !row_in_registers ? static_cast<acc_t>(x[0]) : acc_t(0);
     if (!isfinite(first_logit)) first_logit = 0;
 
+    // The row's 16-byte packs begin at its first 16-byte aligned element (RowEdges); the
+    // few elements before and after them are read one per thread.
+    const RowEdges<T, VEC, kEdges> edges(x, num_classes);
+    const int64_t num_packs = edges.num_packs;
+    const T* x_packs = x + edges.head;
+    const T* y_packs = kProbs ? y + edges.head : y;
+    auto first_class = [&](int64_t p) { return edges.head + p * VEC; };
+    const int64_t stash_packs = params.stash_packs < num_packs ? params.stash_packs : num_packs;
+    const bool has_edge = edges.has(threadIdx.x);
+    // This thread's edge element (its logit, and its target probability), read when used
+    // rather than held in registers through the row: the register path has none to spare.
+    auto edge = [&](const T* row) {
+      Pack<T, 1> pack;
+      pack.val[0] = row[edges.class_of(threadIdx.x)];
+      return pack;
+    };
+
     Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
     acc_t row_max;
     exp_sum_t sum;
@@ -379,12 +420,12 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       for (int k = 0; k < kPacks; ++k) {
         const int64_t p = cached_pack(k);
         if (p < num_packs) {
-          cache[k] = load_pack<T, VEC>(x + p * VEC);
-          if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y + p * VEC);
+          cache[k] = load_pack<T, VEC>(x_packs + p * VEC);
+          if constexpr (kProbs) target_cache[k] = load_pack<T, VEC>(y_packs + p * VEC);
         }
       }
       read_target_logit();
-      acc_t thread_max = -infinity<acc_t>();
+      acc_t thread_max = has_edge ? static_cast<acc_t>(edge(x).val[0]) : -infinity<acc_t>();
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         if (cached_pack(k) < num_packs) {
@@ -394,6 +435,14 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       }
       row_max = block_allreduce(thread_max, MaxOp(), -infinity<acc_t>(), scratch);
       exp_sum_t thread_sum = 0;
+      if (has_edge) {
+        const Pack<T, 1> edge_x = edge(x);
+        thread_sum = exp_for<T>(static_cast<acc_t>(edge_x.val[0]) - row_max);
+        if constexpr (kClassSums) {
+          sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(threadIdx.x),
+                                           params.weight, row_max));
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         const int64_t p = cached_pack(k);
@@ -403,18 +452,29 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
           for (int j = 0; j < VEC; ++j) pack_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
           thread_sum += pack_sum;
           if constexpr (kClassSums) {
-            sums.add(pack_class_sums<kProbs>(cache[k], target_cache[kProbs ? k : 0], p * VEC, params.weight, row_max));
+            sums.add(pack_class_sums<kProbs>(cache[k], target_cache[kProbs ? k : 0], first_class(p), params.weight,
+                                             row_max));
           }
         }
       }
       sum = block_sum(thread_sum, scratch_exp_sum);
     } else {
       MaxSum<acc_t, exp_sum_t> acc = {-infinity<acc_t>(), exp_sum_t(0)};
-      for_each_row_pack<T, VEC, kProbs>(x, y, num_packs, false, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp,
-                                                                   int64_t p) {
+      if (has_edge) {
+        const Pack<T, 1> edge_x = edge(x);
+        acc = add_pack(acc, edge_x);
+        if constexpr (kClassSums) {
+          sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(threadIdx.x),
+                                           params.weight, first_logit));
+        }
+      }
+      for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false,
+                                        [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if (p < stash_packs) stash[p] = xp;
-        if constexpr (kClassSums) sums.add(pack_class_sums<kProbs>(xp, yp, p * VEC, params.weight, first_logit));
+        if constexpr (kClassSums) {
+          sums.add(pack_class_sums<kProbs>(xp, yp, first_class(p), params.weight, first_logit));
+        }
       });
       read_target_logit();
       acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
@@ -478,7 +538,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
         for (int k = 0; k < kPacks; ++k) {
           const int64_t p = cached_pack(k);
           if (p < num_packs) {
-            store_grad_pack<T, VEC, kProbs, kClassSums>(cache[k], target_cache[kProbs ? k : 0], p * VEC, g,
+            store_grad_pack<T, VEC, kProbs, kClassSums>(cache[k], target_cache[kProbs ? k : 0], first_class(p), g,
                                                         params.weight, gx, gy);
           }
         }
@@ -487,17 +547,24 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
         // read last. Then the stash, each thread the packs it stashed itself, so no
         // barrier is needed here or before the next row's first pass refills it.
         const int64_t rest = stash_packs * VEC;
-        for_each_row_pack<T, VEC, kProbs>(x + rest, kProbs ? y + rest : y, num_packs - stash_packs, true,
-                                          [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
-          store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, rest + p * VEC, g, params.weight, gx, gy);
+        for_each_row_pack<T, VEC, kProbs>(x_packs + rest, kProbs ? y_packs + rest : y_packs, num_packs - stash_packs,
+                                          true, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+          store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(stash_packs + p), g, params.weight, gx,
+                                                      gy);
         });
         for (int64_t p = threadIdx.x; p < stash_packs; p += blockDim.x) {
           // By value, so the pack is one 16-byte shared load: through a reference the
           // compiler reads it element by element (8 LDS.U16 per bf16 pack, per ncu).
           const Pack<T, VEC> xp = load_pack<T, VEC>(stash[p].val);
-          const Pack<T, VEC> yp = kProbs ? load_pack<T, VEC>(y + p * VEC) : Pack<T, VEC>{};
-          store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, p * VEC, g, params.weight, gx, gy);
+          const Pack<T, VEC> yp = kProbs ? load_pack<T, VEC>(y_packs + p * VEC) : Pack<T, VEC>{};
+          store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(p), g, params.weight, gx, gy);
         }
+      }
+      // Each thread writes its own edge element, which no other thread reads: no barrier
+      // is needed here either, and with inplace_backward it still holds the logit.
+      if (has_edge) {
+        store_grad_pack<T, 1, kProbs, kClassSums>(edge(x), kProbs ? edge(y) : Pack<T, 1>{},
+                                                  edges.class_of(threadIdx.x), g, params.weight, gx, gy);
       }
     }
   }
@@ -537,6 +604,9 @@ struct CrossEntropyInputs {
     TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy: label_smoothing must be in [0, 1]");
     logits = logits_arg.contiguous();
     target = target_arg.contiguous();
+    // Probabilities are read in the same 16-byte packs as the logits (RowEdges): at the
+    // logits' offset from 16 bytes, copied there in the rare case they are not.
+    if (probs) target = at_offset(target, offset());
     if (weight_arg.has_value() && weight_arg->defined()) {
       TORCH_CHECK(weight_arg->dim() == 1 && weight_arg->size(0) == logits.size(1) &&
                       weight_arg->device() == logits.device(),
@@ -545,6 +615,12 @@ struct CrossEntropyInputs {
     }
   }
 
+  uintptr_t offset() const { return offset_from_16_bytes(logits.data_ptr()); }
+
+  // A fresh tensor of the logits' shape and dtype that rows are written to (a gradient):
+  // at their offset from 16 bytes, so that both are read and written in the same packs.
+  at::Tensor empty_row_tensor() const { return empty_at_offset(logits, offset()); }
+
   // The lse and the weights are kept in the accumulation type (float, or double for float64).
   at::ScalarType accumulation_dtype() const {
     return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -552,40 +628,45 @@ struct CrossEntropyInputs {
 };
 
 // The kernel's types, passed to a generic lambda as a tag.
-template <typename T, typename index_t, int VEC, bool kProbs, bool kClassSums>
+template <typename T, typename index_t, bool kEdges, bool kProbs, bool kClassSums>
 struct Config {
   using scalar = T;
   using index = index_t;
-  static constexpr int vec = VEC;
+  static constexpr int vec = vec16<T>();
+  static constexpr bool edges = kEdges;
   static constexpr bool probs = kProbs;
   static constexpr bool class_sums = kClassSums;
 };
 
-// Calls body(Config<...>{}) for the inputs' types, the widest vector width that every
-// row pointer allows, and whether the class sums are needed (label smoothing, or
-// probability targets).
+// Calls body(Config<...>{}) for the inputs' types, whether rows have edge elements
+// (RowEdges), and whether the class sums are needed (label smoothing, or probability
+// targets). Every row tensor must sit at the logits' offset from 16 bytes.
 template <typename Body>
 void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<const void*> row_pointers, Body body) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.logits.scalar_type(), "cross_entropy", [&] {
-    constexpr int VEC = vec16<scalar_t>();
-    bool vector_ok = in.logits.size(1) % VEC == 0;
-    for (const void* ptr : row_pointers) vector_ok = vector_ok && (ptr == nullptr || is_aligned16(ptr));
-    auto with_vec = [&](auto index_zero, auto probs, auto class_sums) {
+    const uintptr_t offset = in.offset();
+    TORCH_CHECK(offset % sizeof(scalar_t) == 0, "cross_entropy: input's data must start on a whole element");
+    for (const void* ptr : row_pointers) {
+      TORCH_CHECK(ptr == nullptr || offset_from_16_bytes(ptr) == offset,
+                  "cross_entropy: internal error: a row tensor is not at the logits' offset from 16 bytes");
+    }
+    const bool edges = offset != 0 || in.logits.size(1) % vec16<scalar_t>() != 0;
+    auto with_edges = [&](auto index_zero, auto probs, auto class_sums) {
       using index_t = decltype(index_zero);
-      if (vector_ok) {
-        body(Config<scalar_t, index_t, VEC, decltype(probs)::value, decltype(class_sums)::value>{});
+      if (edges) {
+        body(Config<scalar_t, index_t, true, decltype(probs)::value, decltype(class_sums)::value>{});
       } else {
-        body(Config<scalar_t, index_t, 1, decltype(probs)::value, decltype(class_sums)::value>{});
+        body(Config<scalar_t, index_t, false, decltype(probs)::value, decltype(class_sums)::value>{});
       }
     };
     using yes = std::true_type;
     using no = std::false_type;
     if (in.probs) {
-      with_vec(int64_t(0), yes{}, yes{});
+      with_edges(int64_t(0), yes{}, yes{});
     } else if (in.target.scalar_type() == at::kLong) {
-      in.label_smoothing != 0.0 ? with_vec(int64_t(0), no{}, yes{}) : with_vec(int64_t(0), no{}, no{});
+      in.label_smoothing != 0.0 ? with_edges(int64_t(0), no{}, yes{}) : with_edges(int64_t(0), no{}, no{});
     } else {
-      in.label_smoothing != 0.0 ? with_vec(int32_t(0), no{}, yes{}) : with_vec(int32_t(0), no{}, no{});
+      in.label_smoothing != 0.0 ? with_edges(int32_t(0), no{}, yes{}) : with_edges(int32_t(0), no{}, no{});
     }
   });
 }
@@ -657,8 +738,10 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using acc_t = at::opmath_type<T>;
     const int64_t num_packs = in.logits.size(1) / Cfg::vec;
     const bool streamed = num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
-    auto kernel = streamed ? cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::probs, Cfg::class_sums, true>
-                           : cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::probs, Cfg::class_sums, false>;
+    auto kernel = streamed ? cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs,
+                                                  Cfg::class_sums, true>
+                           : cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs,
+                                                  Cfg::class_sums, false>;
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
     params.target = in.target.data_ptr();
@@ -735,8 +818,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   CrossEntropyOutputs out;
   if (!scalar_loss) out.loss_per_row = loss;
   if (want_lse) out.lse = at::empty({rows}, options.dtype(in.accumulation_dtype()));
-  if (scalar_loss && want_grad_logits) out.grad_logits = inplace ? in.logits : at::empty_like(in.logits);
-  if (scalar_loss && want_grad_target) out.grad_target = at::empty_like(in.logits);
+  if (scalar_loss && want_grad_logits) out.grad_logits = inplace ? in.logits : in.empty_row_tensor();
+  if (scalar_loss && want_grad_target) out.grad_target = in.empty_row_tensor();
   if (in.logits.numel() > 0) {  // losses.py sends empty inputs to torch
     launch_cross_entropy(in, reduction, at::Tensor(), out);
     if (scalar_loss) {
@@ -762,8 +845,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logi
               "cross_entropy: grad_output must have N elements of input's dtype on input's device");
   TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
   CrossEntropyOutputs out;
-  if (want_grad_logits) out.grad_logits = at::empty_like(in.logits);
-  if (want_grad_target) out.grad_target = at::empty_like(in.logits);
+  if (want_grad_logits) out.grad_logits = in.empty_row_tensor();
+  if (want_grad_target) out.grad_target = in.empty_row_tensor();
   if (in.logits.numel() > 0 && (want_grad_logits || want_grad_target)) launch_cross_entropy(in, kNone, grad_output.contiguous(), out);
   return {out.grad_logits, out.grad_target};
 }
