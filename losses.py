@@ -432,9 +432,10 @@ class MSELoss(nn.MSELoss):
 
 class _CrossEntropyFunction(torch.autograd.Function):
     """(N, C) logits; target (N,) class indices or (N, C) probabilities. Returns the loss;
-    with want_lse a tuple, (loss, lse); with inplace the logits last, whose buffer now
-    holds their gradient: marked dirty, so autograd refuses any later use of what they
-    held before."""
+    with want_lse a tuple, (loss, lse). With inplace the logits' buffer holds their
+    gradient afterwards and their version counter is bumped, so autograd refuses any
+    saved use of what they held before. (Not mark_dirty: a Function that dirties a view
+    may return only one tensor, and logits.view(-1, C) is how models hand them over.)"""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
@@ -457,8 +458,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(lse)
             outputs += (lse,)
         if inplace:
-            ctx.mark_dirty(logits)
-            outputs += (logits,)
+            _mark_overwritten(logits)
         return outputs if len(outputs) > 1 else loss
 
     @staticmethod
@@ -475,6 +475,18 @@ class _CrossEntropyFunction(torch.autograd.Function):
         else:
             grad_logits, grad_target = _backward_from_saved_grads(ctx, grad_output)
         return (grad_logits, grad_target) + (None,) * 10
+
+
+def _mark_overwritten(tensor: torch.Tensor) -> None:
+    """Tells autograd that a kernel wrote over tensor's memory: its version counter (shared
+    with its views and base) goes up, so backward raises where an op saved the old values.
+    torch 2.0 has no increment_version; an in-place op on no elements bumps the counter
+    too, and moves no data."""
+    if hasattr(torch.autograd.graph, "increment_version"):
+        torch.autograd.graph.increment_version(tensor)
+    else:
+        with torch.no_grad():
+            tensor.view(-1)[:0].zero_()
 
 
 def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss) -> None:
@@ -556,8 +568,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         target's shape for class indices: (loss, lse). It carries no gradient.
     inplace_backward: with grad and a scalar reduction, the gradient is written over
         input's memory (no extra memory for it); input holds the gradient afterwards,
-        and autograd raises if anything still needs its old values. input must not be
-        a leaf tensor that requires grad. On CPU this option changes nothing.
+        and autograd raises if anything still needs its old values. input may be a view
+        (logits.view(-1, C)) but not a leaf tensor that requires grad, nor a view of one.
+        On CPU this option changes nothing.
     """
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "mean", "sum"))
@@ -566,9 +579,11 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     if inplace_backward and reduction == "none":
         raise ValueError("inplace_backward=True needs reduction 'mean' or 'sum' (the gradient of 'none' is "
                          "computed in backward)")
-    if inplace_backward and input.is_leaf and input.requires_grad:
+    memory_owner = input._base if input._base is not None else input
+    if inplace_backward and memory_owner.is_leaf and memory_owner.requires_grad:
         raise ValueError("inplace_backward=True overwrites input with its gradient, which a leaf tensor that "
-                         "requires grad does not allow; pass the logits from the model (a non-leaf tensor)")
+                         "requires grad (or a view of one) does not allow; pass the logits from the model "
+                         "(a non-leaf tensor)")
     (input, target, weight), float_loss = _autocast_operands(reduction, input, target, weight)
     why_not = _cross_entropy_fusable(input, target, weight)
     if why_not is not None:
@@ -596,10 +611,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
             logits = logits.contiguous()
         outputs = _CrossEntropyFunction.apply(logits, rows_target, weight, *arguments, want_grad_logits,
                                               want_grad_target, return_lse, inplace)
-        if isinstance(outputs, torch.Tensor):
-            loss, lse = outputs, None
-        else:
-            loss, lse = outputs[0], outputs[1] if return_lse else None
+        loss, lse = outputs if return_lse else (outputs, None)
     else:  # no graph to record: skip autograd's bookkeeping
         ops = _ops("cross_entropy", input.device)
         loss, _, _, lse = ops.forward(logits, rows_target, weight, arguments[0], REDUCTION_CODES[reduction],

@@ -94,6 +94,8 @@ def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float
     wants = (want_grad_logits, want_grad_target) if name != "none" else (False, False)
     loss, grads, lse = cross_entropy_terms(logits, target, weight, ignore_index, name, label_smoothing, z_loss,
                                            wants)
+    if inplace:  # the kernel writes the gradient over the logits and returns them as it
+        grads[0] = logits.copy_(grads[0])
     return (loss.to(torch.float32 if float_loss else logits.dtype), grads[0], grads[1],
             lse if want_lse else lse.new_empty(0))
 

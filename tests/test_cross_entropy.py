@@ -93,6 +93,7 @@ def test_bad_arguments_raise_clear_errors():
         (dict(z_loss=-1.0), "z_loss must be >= 0"),
         (dict(reduction="none", inplace_backward=True), "inplace_backward=True needs reduction"),
         (dict(input=torch.randn(6, 5, requires_grad=True), inplace_backward=True), "leaf tensor"),
+        (dict(input=torch.randn(7, 5, requires_grad=True)[1:], inplace_backward=True), "view of one"),
     ]
     for kwargs, message in bad:
         arguments = dict(input=logits, target=target) | kwargs
@@ -119,7 +120,9 @@ def randn(*shape, dtype):
 # Rows beyond the register cache are streamed; with a gradient, their front is kept in
 # shared memory (227 KB on an H100) and the rest read a second time.
 LONG_ROW = "row beyond the register cache (C = 40000: whole in shared memory, fp64 in part)"
-ODD_LONG_ROW = "odd C = 40001 beyond the register cache (no 16-byte vectors)"
+ODD_LONG_ROW = "odd C = 40001 beyond the register cache (rows start off 16 bytes: edge elements)"
+ODD_ROW = "odd C = 1001 (rows start off 16 bytes: edge elements)"
+VIEW_OFF_16_BYTES = "view from the second row (data off 16 bytes)"
 STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read twice)"
 
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.
@@ -130,7 +133,10 @@ SHAPES = {
     "3-D (N, C, d): classes in dim 1": lambda dtype: randn(4, 10, 7, dtype=dtype),
     "4-D (N, C, d1, d2)": lambda dtype: randn(2, 5, 3, 4, dtype=dtype),
     "non-contiguous (transposed) logits": lambda dtype: randn(1000, 7, dtype=dtype).t(),
-    "odd C = 1001 (no 16-byte vectors)": lambda dtype: randn(9, 1001, dtype=dtype),
+    ODD_ROW: lambda dtype: randn(9, 1001, dtype=dtype),
+    # Contiguous, from the second row on: the data starts off 16 bytes, so the gradient
+    # is allocated at the same offset (and probability targets copied there).
+    VIEW_OFF_16_BYTES: lambda dtype: randn(10, 1001, dtype=dtype)[1:],
     "tiny C = 3, many rows": lambda dtype: randn(3000, 3, dtype=dtype),
     LONG_ROW: lambda dtype: randn(5, 40000, dtype=dtype),
     ODD_LONG_ROW: lambda dtype: randn(3, 40001, dtype=dtype),
@@ -236,7 +242,7 @@ def _option_id(options):
 
 
 CROSSED_SHAPES = ["7x1000", "1-D input (C,), 0-dim target", "3-D (N, C, d): classes in dim 1",
-                  "odd C = 1001 (no 16-byte vectors)", LONG_ROW, ODD_LONG_ROW, STREAMED_ROW]
+                  ODD_ROW, VIEW_OFF_16_BYTES, LONG_ROW, ODD_LONG_ROW, STREAMED_ROW]
 
 
 @pytest.mark.gpu
@@ -312,15 +318,43 @@ def test_inplace_backward_gives_the_same_gradient_in_the_logits_buffer(case, dty
         assert logits.data_ptr() == pointer and not torch.equal(logits.detach(), source)
 
 
+# Views of a model's output, as logits reach a loss: what backward must write through.
+LOGITS_VIEWS = {
+    "reshape (B, T, C) -> (B*T, C)": lambda output: output.view(-1, output.shape[-1]),
+    "rows from the second on (data off 16 bytes)": lambda output: output.view(-1, output.shape[-1])[1:],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("view", list(LOGITS_VIEWS))
+def test_inplace_backward_into_a_view_of_the_logits(view, dtype):
+    """The gradient lands where the viewed logits lie, and flows back through the view."""
+    source = randn(2, 5, 1001, dtype=dtype)
+    target = class_targets(LOGITS_VIEWS[view](source))
+    grads = []
+    for inplace in (False, True):
+        x = source.detach().requires_grad_()
+        output = x * 1
+        logits = LOGITS_VIEWS[view](output)
+        pointer = logits.data_ptr()
+        losses.cross_entropy(logits, target, inplace_backward=inplace, label_smoothing=0.1).backward()
+        grads.append(x.grad)
+    assert logits.data_ptr() == pointer
+    torch.testing.assert_close(logits.detach(), LOGITS_VIEWS[view](grads[0]), rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_inplace_backward_is_guarded_against_later_use_of_the_logits():
     """exp saves its output for backward: overwriting it must make backward raise, not
     silently use the gradient as if it were exp's output."""
     x = SHAPES["7x1000"](torch.float32).requires_grad_()
-    logits = x.exp()
-    loss = losses.cross_entropy(logits, class_targets(logits), inplace_backward=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+    for view in [lambda output: output] + list(LOGITS_VIEWS.values()):
+        logits = view(x.exp())
+        loss = losses.cross_entropy(logits, class_targets(logits), inplace_backward=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 @pytest.mark.gpu
