@@ -560,9 +560,15 @@ T* data_or_null(const at::Tensor& tensor) {
   return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
 }
 
-// The 0-dim tensor a scalar loss is written to: in the input's dtype, or in float32 when
-// float_loss (what torch's autocast gives for these losses; losses.py asks for it there).
-inline at::Tensor scalar_loss_tensor(const at::Tensor& input, bool float_loss) {
+// The tensor the loss is written to. A scalar reduction's is 0-dim, in the input's dtype or
+// in float32 when float_loss (what torch's autocast gives for these losses; losses.py asks
+// for it there); reduction 'none' gives one value per element or row, `unreduced_shape`.
+inline at::Tensor loss_tensor(const at::Tensor& input, int64_t reduction, bool float_loss,
+                              at::IntArrayRef unreduced_shape) {
+  if (reduction == kNone) {
+    TORCH_CHECK(!float_loss, "float_loss is for scalar reductions");
+    return at::empty(unreduced_shape, input.options());
+  }
   return at::empty({}, input.options().dtype(float_loss ? at::kFloat : input.scalar_type()));
 }
 
@@ -576,11 +582,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
     bool float_loss, bool want_grad_input, bool want_grad_target) {
   check_matches_input(input_arg, "target", target_arg);
   const bool scalar_loss = reduction != kNone;
-  TORCH_CHECK(scalar_loss || !float_loss, "float_loss is for scalar reductions");
   c10::cuda::CUDAGuard guard(input_arg.device());
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor target = target_arg.contiguous();
-  at::Tensor loss = scalar_loss ? scalar_loss_tensor(input, float_loss) : at::empty_like(input);
+  at::Tensor loss = loss_tensor(input, reduction, float_loss, input.sizes());
   at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
   at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
   if (input.numel() == 0) return {loss, grad_input, grad_target};  // losses.py sends empty tensors to torch

@@ -812,9 +812,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
   const int64_t rows = in.logits.size(0);
   const bool scalar_loss = reduction != kNone;
-  TORCH_CHECK(scalar_loss || !float_loss, "cross_entropy: float_loss is for scalar reductions");
   const auto options = in.logits.options();
-  at::Tensor loss = scalar_loss ? scalar_loss_tensor(in.logits, float_loss) : at::empty({rows}, options);
+  at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {rows});
   CrossEntropyOutputs out;
   if (!scalar_loss) out.loss_per_row = loss;
   if (want_lse) out.lse = at::empty({rows}, options.dtype(in.accumulation_dtype()));
