@@ -306,9 +306,10 @@ def test_inplace_backward_gives_the_same_gradient_in_the_logits_buffer(case, dty
         for inplace in (False, True):
             x = source.detach().requires_grad_()
             logits = x * 1  # a non-leaf, like a model's output
+            logits.retain_grad()
             loss = losses.cross_entropy(logits, target, inplace_backward=inplace, **options)
             (loss * 2.5).backward()
-            expected_grads.append((loss.detach(), x.grad))
+            expected_grads.append((loss.detach(), x.grad, logits.grad.clone()))
         torch.testing.assert_close(expected_grads[1], expected_grads[0], rtol=0, atol=0)
     x = source.detach().requires_grad_()
     logits = x * 1
