@@ -688,8 +688,9 @@ struct RowLaunch {
 // row too long for it is streamed. Without a gradient, by 256 threads, so that two
 // blocks share a multiprocessor and one's barriers hide behind the other's loads
 // (measured faster than one block of 512 on 128256-class rows). With a gradient, the
-// row's front is kept in shared memory (as much as the multiprocessor holds) for the
-// gradient pass. As many blocks as fit on the GPU at once.
+// row is kept in shared memory for the gradient pass: whole rows by two blocks per
+// multiprocessor where they fit, else the row's front, as much as the multiprocessor
+// holds. As many blocks as fit on the GPU at once.
 template <typename Kernel>
 RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_packs, int cached_packs,
                      size_t pack_bytes, bool want_grad, int device) {
@@ -700,9 +701,17 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
     threads = 32;
     while (int64_t(threads) * cached_packs < num_packs) threads *= 2;
   } else if (want_grad) {
-    threads = kStashThreads;
     const size_t budget = max_dynamic_smem(kernel, device);
-    stash_packs = std::min<int64_t>(num_packs, budget / pack_bytes);
+    if (2 * num_packs * pack_bytes <= budget) {
+      // The whole row fits in half the multiprocessor's shared memory: two blocks of 256
+      // threads per multiprocessor each stash whole rows, so one's reductions and gradient
+      // pass overlap the other's loads (50257-class bf16 training 1.31x -> 1.29x the floor).
+      threads = 256;
+      stash_packs = num_packs;
+    } else {
+      threads = kStashThreads;
+      stash_packs = std::min<int64_t>(num_packs, budget / pack_bytes);
+    }
     smem = stash_packs * pack_bytes;
   }
   return {threads, grid_for(kernel, rows * threads, threads, device, smem), smem, stash_packs};

@@ -5,7 +5,9 @@
 # rounds shows up as the spread of one version's numbers.
 #   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
 # A REV that is a .patch file stands for HEAD with that patch applied.
-# The working tree is always the last version ("work").
+# The working tree is always the last version ("work"). REVs resolve in this checkout's
+# .git, which on a copied tree can be older than the files (the device tool's copy had the
+# session's first HEAD): the revision each name stands for is printed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cases=${1:?usage: scripts/compare_revisions.sh CASES ROUNDS REV...} rounds=${2:?ROUNDS}
@@ -13,7 +15,9 @@ shift 2
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT  # also when a step fails
 names=()
+echo "HEAD here: $(git log -1 --format='%h %s' HEAD)"
 for rev in "$@"; do
+  [[ $rev == *.patch ]] || echo "$rev: $(git log -1 --format='%h %s' "$rev")"
   if [[ $rev == *.patch ]]; then
     name=$(basename "$rev" .patch)
     mkdir -p "$scratch/$name" && git archive HEAD | tar -x -C "$scratch/$name" &&
