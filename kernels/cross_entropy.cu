@@ -702,10 +702,11 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
     while (int64_t(threads) * cached_packs < num_packs) threads *= 2;
   } else if (want_grad) {
     const size_t budget = max_dynamic_smem(kernel, device);
-    if (2 * num_packs * pack_bytes <= budget) {
-      // The whole row fits in half the multiprocessor's shared memory: two blocks of 256
-      // threads per multiprocessor each stash whole rows, so one's reductions and gradient
-      // pass overlap the other's loads (50257-class bf16 training 1.31x -> 1.29x the floor).
+    const size_t row_bytes = num_packs * pack_bytes;
+    if (row_bytes <= budget && resident_blocks_per_sm(kernel, 256, device, row_bytes) >= 2) {
+      // Two blocks of 256 threads, each with a whole row in shared memory, fit on a
+      // multiprocessor: each stashes whole rows, so one's reductions and gradient pass
+      // overlap the other's loads (50257-class bf16 training 1.31x -> 1.29x the floor).
       threads = 256;
       stash_packs = num_packs;
     } else {
