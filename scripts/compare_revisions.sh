@@ -4,31 +4,30 @@
 # bench.py --quick --impls ours runs on each in turn, ROUNDS times, so drift between
 # rounds shows up as the spread of one version's numbers.
 #   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
-# A REV that is a .patch file stands for HEAD with that patch applied.
-# The working tree is always the last version ("work"). REVs resolve in this checkout's
-# .git, which on a copied tree can be older than the files (the device tool's copy had the
-# session's first HEAD): the revision each name stands for is printed first.
+# A REV that is a .patch file stands for the working tree with that patch applied (no git
+# needed). The working tree is always the last version ("work"). Other REVs resolve in this
+# checkout's .git, which on a copied tree can be older than the files (the device tool's
+# copy had the session's first HEAD): what each stands for is printed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cases=${1:?usage: scripts/compare_revisions.sh CASES ROUNDS REV...} rounds=${2:?ROUNDS}
 shift 2
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT  # also when a step fails
+copy_working_tree() { mkdir -p "$1" && cp -r losses.py loader.py bench.py __init__.py kernels "$1/"; }
 names=()
-echo "HEAD here: $(git log -1 --format='%h %s' HEAD)"
 for rev in "$@"; do
-  [[ $rev == *.patch ]] || echo "$rev: $(git log -1 --format='%h %s' "$rev")"
   if [[ $rev == *.patch ]]; then
     name=$(basename "$rev" .patch)
-    mkdir -p "$scratch/$name" && git archive HEAD | tar -x -C "$scratch/$name" &&
-      (cd "$scratch/$name" && git apply) < "$rev" || exit 1
+    copy_working_tree "$scratch/$name" && (cd "$scratch/$name" && git apply) < "$rev" || exit 1
   else
     name=$rev
+    echo "$rev: $(git log -1 --format='%h %s' "$rev")"
     mkdir -p "$scratch/$name" && git archive "$rev" | tar -x -C "$scratch/$name" || exit 1
   fi
   names+=("$name")
 done
-mkdir -p "$scratch/work" && cp -r losses.py loader.py bench.py __init__.py kernels "$scratch/work/" && names+=(work)
+copy_working_tree "$scratch/work" && names+=(work)
 arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || exit 1
 for name in "${names[@]}"; do  # builds first, in parallel, so timing runs build nothing
   (cd "$scratch/$name" && python3 loader.py --arch "$arch" > "$scratch/build_$name.log" 2>&1) &
