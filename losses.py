@@ -477,6 +477,17 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return (grad_logits, grad_target) + (None,) * 10
 
 
+def _check_inplace_backward(input: torch.Tensor, reduction: str) -> None:
+    if reduction == "none":
+        raise ValueError("inplace_backward=True needs reduction 'mean' or 'sum' (the gradient of 'none' is "
+                         "computed in backward)")
+    memory_owner = input._base if input._base is not None else input
+    if memory_owner.is_leaf and memory_owner.requires_grad:
+        raise ValueError("inplace_backward=True overwrites input with its gradient, which a leaf tensor that "
+                         "requires grad (or a view of one) does not allow; pass the logits from the model "
+                         "(a non-leaf tensor)")
+
+
 def _mark_overwritten(tensor: torch.Tensor) -> None:
     """Tells autograd that a kernel wrote over tensor's memory: its version counter (shared
     with its views and base) goes up, so backward raises where an op saved the old values.
@@ -576,14 +587,8 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     _check_reduction(reduction, ("none", "mean", "sum"))
     _check_same_device(input, target=target, weight=weight)
     _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
-    if inplace_backward and reduction == "none":
-        raise ValueError("inplace_backward=True needs reduction 'mean' or 'sum' (the gradient of 'none' is "
-                         "computed in backward)")
-    memory_owner = input._base if input._base is not None else input
-    if inplace_backward and memory_owner.is_leaf and memory_owner.requires_grad:
-        raise ValueError("inplace_backward=True overwrites input with its gradient, which a leaf tensor that "
-                         "requires grad (or a view of one) does not allow; pass the logits from the model "
-                         "(a non-leaf tensor)")
+    if inplace_backward:
+        _check_inplace_backward(input, reduction)
     (input, target, weight), float_loss = _autocast_operands(reduction, input, target, weight)
     why_not = _cross_entropy_fusable(input, target, weight)
     if why_not is not None:
