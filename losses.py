@@ -481,8 +481,7 @@ def _check_inplace_backward(input: torch.Tensor, reduction: str) -> None:
     if reduction == "none":
         raise ValueError("inplace_backward=True needs reduction 'mean' or 'sum' (the gradient of 'none' is "
                          "computed in backward)")
-    memory_owner = input._base if input._base is not None else input
-    if memory_owner.is_leaf and memory_owner.requires_grad:
+    if any(tensor is not None and tensor.is_leaf and tensor.requires_grad for tensor in (input, input._base)):
         raise ValueError("inplace_backward=True overwrites input with its gradient, which a leaf tensor that "
                          "requires grad (or a view of one) does not allow; pass the logits from the model "
                          "(a non-leaf tensor)")

@@ -94,6 +94,7 @@ def test_bad_arguments_raise_clear_errors():
         (dict(reduction="none", inplace_backward=True), "inplace_backward=True needs reduction"),
         (dict(input=torch.randn(6, 5, requires_grad=True), inplace_backward=True), "leaf tensor"),
         (dict(input=torch.randn(7, 5, requires_grad=True)[1:], inplace_backward=True), "view of one"),
+        (dict(input=torch.randn(7, 5)[1:].requires_grad_(), inplace_backward=True), "leaf tensor"),
     ]
     for kwargs, message in bad:
         arguments = dict(input=logits, target=target) | kwargs
