@@ -130,12 +130,12 @@ constexpr int vec16() {
   return 16 / sizeof(T);
 }
 
-inline bool is_aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
 inline uintptr_t offset_from_16_bytes(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16;
+}
+
+inline bool is_aligned16(const void* ptr) {
+  return offset_from_16_bytes(ptr) == 0;
 }
 
 // A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
