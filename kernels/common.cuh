@@ -291,20 +291,33 @@ size_t max_dynamic_smem(Kernel kernel, int device) {
 // weight of the non-ignored targets, known only on the device), the sum of its row of
 // `num_divisors` block sums.
 
+constexpr int kMaxTerms = 2;  // cross-entropy's ce and z-loss
+constexpr int kFinishThreads = 512;
+
 template <typename out_t>
 __global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, int num_terms, double scale,
                                   const sum_t* divisors, int64_t num_divisors, out_t* loss) {
   __shared__ sum_t scratch[32];
-  double result = 0;
-  for (int term = 0; term < num_terms; ++term) {
-    sum_t total = 0, divisor = 0;
-    for (int64_t i = threadIdx.x; i < num_partials; i += blockDim.x) total += partials[term * num_partials + i];
-    total = block_sum(total, scratch);
-    if (divisors != nullptr) {
-      for (int64_t i = threadIdx.x; i < num_divisors; i += blockDim.x) divisor += divisors[term * num_divisors + i];
-      divisor = block_sum(divisor, scratch);
+  // Every load of every term and divisor goes out before any is added: one trip to memory
+  // rather than one per term and divisor (cross-entropy's 'mean' made four: 4.4-5.3 us
+  // on an H100, against 1.7 us for one term).
+  sum_t totals[kMaxTerms] = {}, divisor_sums[kMaxTerms] = {};
+  const int64_t count = num_partials > num_divisors ? num_partials : num_divisors;
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+#pragma unroll
+    for (int term = 0; term < kMaxTerms; ++term) {
+      if (term < num_terms && i < num_partials) totals[term] += partials[term * num_partials + i];
+      if (term < num_terms && i < num_divisors) divisor_sums[term] += divisors[term * num_divisors + i];
     }
-    result += divisors != nullptr ? total / divisor : total;
+  }
+  double result = 0;
+#pragma unroll
+  for (int term = 0; term < kMaxTerms; ++term) {
+    if (term < num_terms) {
+      const sum_t total = block_sum(totals[term], scratch);
+      result += divisors != nullptr ? total / block_sum(divisor_sums[term], scratch) : total;
+    }
   }
   if (threadIdx.x == 0) *loss = static_cast<out_t>(result * scale);
 }
@@ -313,10 +326,11 @@ __global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, i
 // num_partials) doubles; divisors: nullptr, or (num_terms, num_divisors) doubles.
 inline void finish_sum(const sum_t* partials, int num_terms, int64_t num_partials, double scale,
                        const sum_t* divisors, int64_t num_divisors, at::Tensor& loss) {
+  TORCH_CHECK(num_terms >= 1 && num_terms <= kMaxTerms, "finish_sum: internal error: ", num_terms, " terms");
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, loss.scalar_type(), "finish_sum", [&] {
-    finish_sum_kernel<scalar_t><<<1, 256, 0, stream>>>(partials, num_partials, num_terms, scale, divisors,
-                                                        num_divisors, loss.data_ptr<scalar_t>());
+    finish_sum_kernel<scalar_t><<<1, kFinishThreads, 0, stream>>>(partials, num_partials, num_terms, scale,
+                                                                    divisors, num_divisors, loss.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
