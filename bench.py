@@ -16,7 +16,9 @@ What it measures, per case (loss, shape, dtype) and implementation:
 Forward time is taken under torch.no_grad(); the training step is forward + loss.backward()
 with the gradient of the first input only (p, x, logits). Times are medians over many
 groups of 5 back-to-back steps, each group between two CUDA events (the GPU stays busy,
-as in a training loop), after a warm-up that includes kernel builds and compilation. Inputs are random (softmax of randn for KL, randn for MSE and logits); the
+as in a training loop), after a warm-up that includes kernel builds and compilation. In a
+small case the host sets the times, and its speed drifts during a run: there the
+implementations take turns (5 rounds), so that the drift falls on all of them alike. Inputs are random (softmax of randn for KL, randn for MSE and logits); the
 large cases are far larger than L2, the small (launch-bound) ones rotate among enough
 input sets to cover more than L2.
 
@@ -71,6 +73,7 @@ CASES = [
 SMALL_CASE_BYTES = 16 * 2**20
 L2_COVER_BYTES = 128 * 2**20  # small cases rotate among input sets that add up to this much
 MAX_INPUT_SETS = 512
+SMALL_CASE_ROUNDS = 5  # launch-bound cases: the implementations take turns this many times
 FLOOR_BYTES_PER_ELEMENT = {  # in units of the element size: (forward, training step)
     "kl": (2, 3), "mse": (2, 3), "ce": (1, 2),
 }
@@ -167,8 +170,8 @@ def free_gpu_memory():
 # ----------------------------------------------------------------------------------
 # Timing.
 
-def median_ms(step, before_step, count: int, reps: int, warmup: int, group: int = 5) -> float:
-    """Median over reps of the time per step, each rep timing `group` back-to-back steps
+def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: int = 5) -> list[float]:
+    """The time per step of each of reps, each rep timing `group` back-to-back steps
     between two CUDA events, so the GPU runs as in a training loop (queue full, the
     host's launch overhead hidden) rather than idling between single launches.
     before_step(i) (clearing .grad) runs inside the group; i cycles through the input sets."""
@@ -187,24 +190,24 @@ def median_ms(step, before_step, count: int, reps: int, warmup: int, group: int 
             i += 1
         ends[rep].record()
     torch.cuda.synchronize()  # every event has completed before elapsed_time reads it
-    return statistics.median([start.elapsed_time(end) / group for start, end in zip(starts, ends)])
+    return [start.elapsed_time(end) / group for start, end in zip(starts, ends)]
 
 
-def time_forward(loss_fn, input_sets, reps, warmup) -> float:
+def forward_times(loss_fn, input_sets, reps, warmup) -> list[float]:
     def step(i):
         loss_fn(*input_sets[i])
     with torch.no_grad():
-        return median_ms(step, lambda i: None, len(input_sets), reps, warmup)
+        return rep_times_ms(step, lambda i: None, len(input_sets), reps, warmup)
 
 
-def time_training_step(loss_fn, input_sets, reps, warmup) -> float:
+def training_step_times(loss_fn, input_sets, reps, warmup) -> list[float]:
     """Inputs whose first tensor requires grad; its .grad is cleared (untimed) before each step."""
     def clear_grad(i):
         input_sets[i][0].grad = None
 
     def step(i):
         loss_fn(*input_sets[i]).backward()
-    return median_ms(step, clear_grad, len(input_sets), reps, warmup)
+    return rep_times_ms(step, clear_grad, len(input_sets), reps, warmup)
 
 
 def peak_extra_bytes(loss_fn, input_sets) -> int:
@@ -226,7 +229,7 @@ def copy_bandwidth_gbps(reps: int) -> float:
     """Device-to-device copy bandwidth, bytes read + written, median of reps."""
     src = torch.randn(COPY_BYTES // 4, device="cuda")
     dst = torch.empty_like(src)
-    ms = median_ms(lambda i: dst.copy_(src), lambda i: None, 1, reps, warmup=3, group=1)
+    ms = statistics.median(rep_times_ms(lambda i: dst.copy_(src), lambda i: None, 1, reps, warmup=3, group=1))
     return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
 
 
@@ -243,31 +246,89 @@ def compare_with_eager(loss, loss_fn, inputs, dtype) -> str:
     return "ok" if close else f"MISMATCH ({value:.6g} vs eager {reference:.6g})"
 
 
-def run_one(loss, rows, cols, dtype, impl, reps, warmup) -> dict:
-    """Forward ms, training ms and peak extra memory of one implementation on one case."""
-    result = {"check": "-", "forward_ms": None, "train_ms": None, "peak_extra_MB": None,
-              "error": None, "note": None}
-    if impl == "liger" and (LIGER_MISSING or loss not in LIGER):
-        result["note"] = LIGER_MISSING or f"liger has no {loss}"
-        return result
-    loss_fn = input_sets = None
-    try:
-        loss_fn = loss_fn_for(impl, loss)
-        input_sets = make_input_sets(loss, rows, cols, dtype)
-        result["check"] = "ref" if impl == "eager" else compare_with_eager(loss, loss_fn, input_sets[0], dtype)
-        result["forward_ms"] = time_forward(loss_fn, input_sets, reps, warmup)
-        for inputs in input_sets:
-            inputs[0].requires_grad_(True)
-        result["train_ms"] = time_training_step(loss_fn, input_sets, reps, warmup)
-        result["peak_extra_MB"] = peak_extra_bytes(loss_fn, input_sets) / 2**20
-    except Exception as error:  # a compile failure or OOM shows as 'err', the run goes on
-        if result["check"] == "-":
-            result["check"] = "err"
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        result["error"] = f"{type(error).__name__}: {first_line[:200]}"
-    del input_sets, loss_fn
-    free_gpu_memory()
-    return result
+class Contender:
+    """One implementation on one case: its loss function, its inputs, its timings so far and
+    its row of results. A failure (a compile error, out of memory) ends its measurements
+    with 'err' in its row; the run goes on."""
+
+    def __init__(self, loss, rows, cols, dtype, impl):
+        self.result = {"check": "-", "forward_ms": None, "train_ms": None, "peak_extra_MB": None,
+                       "error": None, "note": None}
+        self.times = {"forward": [], "train": []}
+        self.loss_fn = self.input_sets = None
+        if impl == "liger" and (LIGER_MISSING or loss not in LIGER):
+            self.result["note"] = LIGER_MISSING or f"liger has no {loss}"
+            return
+
+        def prepare():
+            self.loss_fn = loss_fn_for(impl, loss)
+            self.input_sets = make_input_sets(loss, rows, cols, dtype)
+            self.result["check"] = ("ref" if impl == "eager" else
+                                    compare_with_eager(loss, self.loss_fn, self.input_sets[0], dtype))
+        self.attempt(prepare)
+
+    @property
+    def ready(self) -> bool:
+        return self.input_sets is not None
+
+    def attempt(self, action) -> None:
+        try:
+            action()
+        except Exception as error:
+            if self.result["check"] == "-":
+                self.result["check"] = "err"
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            self.result["error"] = f"{type(error).__name__}: {first_line[:200]}"
+            self.release()
+
+    def time(self, mode: str, reps: int, warmup: int) -> None:
+        """Adds reps timings of the forward ('forward') or the training step ('train')."""
+        def measure():
+            if mode == "train":
+                for inputs in self.input_sets:
+                    inputs[0].requires_grad_(True)
+            timer = training_step_times if mode == "train" else forward_times
+            self.times[mode] += timer(self.loss_fn, self.input_sets, reps, warmup)
+        if self.ready:
+            self.attempt(measure)
+
+    def finish(self) -> dict:
+        """Medians and peak memory into the row; frees the inputs."""
+        def summarize():
+            for mode, times in self.times.items():
+                self.result[f"{mode}_ms"] = statistics.median(times)
+            self.result["peak_extra_MB"] = peak_extra_bytes(self.loss_fn, self.input_sets) / 2**20
+        if self.ready:
+            self.attempt(summarize)
+        self.release()
+        return self.result
+
+    def release(self) -> None:
+        self.loss_fn = self.input_sets = None
+        free_gpu_memory()
+
+
+def run_case(loss, rows, cols, dtype, impls, reps, warmup) -> list[dict]:
+    """The rows of one case, one per implementation (in impls' order). A large case times
+    one implementation after the other, each with the GPU's memory to itself. A
+    launch-bound case's times are the host's, whose speed drifts during a run: there the
+    implementations take turns, SMALL_CASE_ROUNDS rounds of reps / SMALL_CASE_ROUNDS
+    groups each, so that every one of them meets the same drift."""
+    small = is_small(rows, cols, dtype)
+    turns = [impls] if small else [[impl] for impl in impls]
+    rounds = SMALL_CASE_ROUNDS if small else 1
+    results = []
+    for together in turns:
+        contenders = []
+        for impl in together:
+            print(f"[{case_name(loss, rows, cols, dtype)}] {impl} ...", file=sys.stderr, flush=True)
+            contenders.append(Contender(loss, rows, cols, dtype, impl))
+        for mode in ("forward", "train"):
+            for round_index in range(rounds):
+                for contender in contenders:
+                    contender.time(mode, max(1, reps // rounds), warmup if round_index == 0 else 1)
+        results += [contender.finish() for contender in contenders]
+    return results
 
 
 def add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps):
@@ -431,13 +492,10 @@ def main(argv=None):
         name = case_name(loss, rows, cols, dtype)
         small = is_small(rows, cols, dtype)
         case_reps = 4 * reps if small else reps  # launch-bound: cheap, and noisier
-        rows_of_case = []
-        for impl in impls:
-            print(f"[{name}] {impl} ...", file=sys.stderr, flush=True)
-            result = run_one(loss, rows, cols, dtype, impl, case_reps, warmup)
+        rows_of_case = run_case(loss, rows, cols, dtype, impls, case_reps, warmup)
+        for impl, result in zip(impls, rows_of_case):
             result.update(case=name, loss=loss, shape=[rows, cols], dtype=DTYPE_NAMES[dtype], impl=impl,
                           launch_bound=small)
-            rows_of_case.append(result)
         add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps)
         results.extend(rows_of_case)
 
