@@ -130,7 +130,8 @@ constexpr int vec16() {
   return 16 / sizeof(T);
 }
 
-inline uintptr_t offset_from_16_bytes(const void* ptr) {
+// Host and device: launchers and kernels find a pointer's offset the same way.
+__host__ __device__ inline uintptr_t offset_from_16_bytes(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16;
 }
 

@@ -236,7 +236,7 @@ struct RowEdges {
 
   __device__ __forceinline__ RowEdges(const T* row, int64_t num_classes) : num_packs(num_classes / VEC) {
     if constexpr (kEdges) {
-      const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(row) % 16 / sizeof(T));
+      const int misaligned = static_cast<int>(offset_from_16_bytes(row) / sizeof(T));
       head = misaligned == 0 ? 0 : static_cast<int>(num_classes < VEC - misaligned ? num_classes : VEC - misaligned);
       num_packs = (num_classes - head) / VEC;
       num_edges = static_cast<int>(num_classes - num_packs * VEC);
