@@ -159,6 +159,33 @@ def test_matches_float64(case, dtype, reduction, index_dtype):
                           lambda x, t: reference(x, t.long(), reduction), [logits, target], case=case)
 
 
+# Streamed rows, more than the grid has blocks, so each block takes several and refills its
+# stash row after row. Odd C: rows start at every offset from 16 bytes, so the number of
+# packs, and of them stashed, differs from row to row.
+def many_streamed_rows(num_classes):
+    def make(dtype):
+        rows = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 3
+        return randn(rows, num_classes, dtype=dtype)
+    return make
+
+
+MANY_STREAMED_ROWS = {
+    "many rows of odd C = 40001 (whole in shared memory but for fp64)": many_streamed_rows(40001),
+    "many rows of C = 270000 (front in shared memory)": many_streamed_rows(270000),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(MANY_STREAMED_ROWS))
+def test_many_streamed_rows_per_block(case, dtype, label_smoothing):
+    logits = MANY_STREAMED_ROWS[case](dtype)
+    check_against_float64(lambda x, t: losses.cross_entropy(x, t, label_smoothing=label_smoothing),
+                          lambda x, t: F.cross_entropy(x, t, ignore_index=IGNORE, label_smoothing=label_smoothing),
+                          [logits, class_targets(logits)], case=case)
+
+
 @pytest.mark.gpu
 def test_ignore_index_inside_the_class_range():
     logits = SHAPES["7x1000"](torch.float32)
@@ -298,9 +325,10 @@ def test_return_lse_matches_float64(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["7x1000", LONG_ROW, STREAMED_ROW, "3-D (N, C, d): classes in dim 1"])
+@pytest.mark.parametrize("case", ["7x1000", LONG_ROW, STREAMED_ROW, "3-D (N, C, d): classes in dim 1",
+                                  *MANY_STREAMED_ROWS])
 def test_inplace_backward_gives_the_same_gradient_in_the_logits_buffer(case, dtype):
-    source = SHAPES[case](dtype)
+    source = {**SHAPES, **MANY_STREAMED_ROWS}[case](dtype)
     target = class_targets(source)
     for options in (dict(), dict(label_smoothing=0.1, z_loss=1e-2)):
         expected_grads = []
