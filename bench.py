@@ -308,13 +308,12 @@ class Contender:
         free_gpu_memory()
 
 
-def run_case(loss, rows, cols, dtype, impls, reps, warmup) -> list[dict]:
+def run_case(loss, rows, cols, dtype, small, impls, reps, warmup) -> list[dict]:
     """The rows of one case, one per implementation (in impls' order). A large case times
-    one implementation after the other, each with the GPU's memory to itself. A
-    launch-bound case's times are the host's, whose speed drifts during a run: there the
-    implementations take turns, SMALL_CASE_ROUNDS rounds of reps / SMALL_CASE_ROUNDS
-    groups each, so that every one of them meets the same drift."""
-    small = is_small(rows, cols, dtype)
+    one implementation after the other, each with the GPU's memory to itself. A small
+    (launch-bound, is_small) case's times are the host's, whose speed drifts during a run:
+    there the implementations take turns, SMALL_CASE_ROUNDS rounds of reps /
+    SMALL_CASE_ROUNDS groups each, so that every one of them meets the same drift."""
     turns = [impls] if small else [[impl] for impl in impls]
     rounds = SMALL_CASE_ROUNDS if small else 1
     results = []
@@ -492,7 +491,7 @@ def main(argv=None):
         name = case_name(loss, rows, cols, dtype)
         small = is_small(rows, cols, dtype)
         case_reps = 4 * reps if small else reps  # launch-bound: cheap, and noisier
-        rows_of_case = run_case(loss, rows, cols, dtype, impls, case_reps, warmup)
+        rows_of_case = run_case(loss, rows, cols, dtype, small, impls, case_reps, warmup)
         for impl, result in zip(impls, rows_of_case):
             result.update(case=name, loss=loss, shape=[rows, cols], dtype=DTYPE_NAMES[dtype], impl=impl,
                           launch_bound=small)

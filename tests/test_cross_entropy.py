@@ -12,8 +12,9 @@ REDUCTIONS = ["mean", "sum", "none"]
 IGNORE = -100
 
 
-def reference(logits, target, reduction="mean", ignore_index=IGNORE):
-    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+def reference(logits, target, reduction="mean", ignore_index=IGNORE, label_smoothing=0.0):
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
 
 
 def class_targets(logits, index_dtype=torch.int64, ignored_fraction=0.25, ignore_index=IGNORE):
@@ -182,7 +183,7 @@ MANY_STREAMED_ROWS = {
 def test_many_streamed_rows_per_block(case, dtype, label_smoothing):
     logits = MANY_STREAMED_ROWS[case](dtype)
     check_against_float64(lambda x, t: losses.cross_entropy(x, t, label_smoothing=label_smoothing),
-                          lambda x, t: F.cross_entropy(x, t, ignore_index=IGNORE, label_smoothing=label_smoothing),
+                          lambda x, t: reference(x, t, label_smoothing=label_smoothing),
                           [logits, class_targets(logits)], case=case)
 
 
