@@ -4,8 +4,9 @@
 // for float64 inputs), reductions without float atomics, and 64-bit indexing.
 //
 // Scalar reductions are deterministic to the bit: every block writes one partial sum,
-// then finish_sum_kernel adds the partials in a fixed order. The grid size depends only
-// on the problem size and the GPU, so the same inputs give the same bits run after run.
+// then the kernel's last block adds the partials in a fixed order (see Finish). The grid
+// size depends only on the problem size and the GPU, so the same inputs give the same
+// bits run after run.
 //
 // Includes stay within c10/ATen headers that ship with torch: the CUDA toolkit on
 // some machines has no cuBLAS/cuSPARSE headers, which ATen/cuda/CUDAContext.h needs.
@@ -291,49 +292,133 @@ size_t max_dynamic_smem(Kernel kernel, int device) {
 // A divisor is 1, or, when `divisors` is given (cross-entropy 'mean': the number or the
 // weight of the non-ignored targets, known only on the device), the sum of its row of
 // `num_divisors` block sums.
+//
+// That block is the loss kernel's own block that finishes last (finish_if_last_block):
+// one launch per call rather than two, which saves launch-bound calls a few microseconds
+// of host time and large ones the GPU's gap between two kernels plus a kernel's start.
+// It knows it is last from a per-stream ticket (finish_ticket). Where there is none (a
+// stream being captured into a CUDA graph), finish_sum_kernel runs after the loss kernel.
+// Either way the sum's order depends only on the grid and block sizes: same bits each run.
 
 constexpr int kMaxTerms = 2;  // cross-entropy's ce and z-loss
 constexpr int kFinishThreads = 512;
 
+struct Finish {
+  sum_t* partials = nullptr;  // (num_terms, num_partials); nullptr: no scalar loss
+  int64_t num_partials = 0;
+  int num_terms = 1;
+  double scale = 1.0;
+  const sum_t* divisors = nullptr;  // (num_terms, num_divisors), or nullptr
+  int64_t num_divisors = 0;
+  void* loss = nullptr;  // 0-dim, of loss_type
+  c10::ScalarType loss_type = c10::ScalarType::Float;
+  unsigned int* ticket = nullptr;  // the loss kernel's finished blocks; nullptr: finish_sum_kernel
+};
+
 template <typename out_t>
-__global__ void finish_sum_kernel(const sum_t* partials, int64_t num_partials, int num_terms, double scale,
-                                  const sum_t* divisors, int64_t num_divisors, out_t* loss) {
-  __shared__ sum_t scratch[32];
+__device__ __forceinline__ void store_as(void* out, double value) {
+  *static_cast<out_t*>(out) = static_cast<out_t>(value);
+}
+
+// Partials are read through L2 (ld.global.cg): other blocks of the same launch wrote them.
+__device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
   // Every load of every term and divisor goes out before any is added: one trip to memory
   // rather than one per term and divisor (cross-entropy's 'mean' made four: 4.4-5.3 us
   // on an H100, against 1.7 us for one term).
   sum_t totals[kMaxTerms] = {}, divisor_sums[kMaxTerms] = {};
-  const int64_t count = num_partials > num_divisors ? num_partials : num_divisors;
+  const int64_t count = finish.num_partials > finish.num_divisors ? finish.num_partials : finish.num_divisors;
 #pragma unroll 4
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
 #pragma unroll
     for (int term = 0; term < kMaxTerms; ++term) {
-      if (term < num_terms && i < num_partials) totals[term] += partials[term * num_partials + i];
-      if (term < num_terms && i < num_divisors) divisor_sums[term] += divisors[term * num_divisors + i];
+      if (term < finish.num_terms && i < finish.num_partials) {
+        totals[term] += __ldcg(finish.partials + term * finish.num_partials + i);
+      }
+      if (term < finish.num_terms && i < finish.num_divisors) {
+        divisor_sums[term] += __ldcg(finish.divisors + term * finish.num_divisors + i);
+      }
     }
   }
   double result = 0;
 #pragma unroll
   for (int term = 0; term < kMaxTerms; ++term) {
-    if (term < num_terms) {
+    if (term < finish.num_terms) {
       const sum_t total = block_sum(totals[term], scratch);
-      result += divisors != nullptr ? total / block_sum(divisor_sums[term], scratch) : total;
+      result += finish.divisors != nullptr ? total / block_sum(divisor_sums[term], scratch) : total;
     }
   }
-  if (threadIdx.x == 0) *loss = static_cast<out_t>(result * scale);
+  if (threadIdx.x != 0) return;
+  result *= finish.scale;
+  switch (finish.loss_type) {
+    case c10::ScalarType::Double: store_as<double>(finish.loss, result); break;
+    case c10::ScalarType::Half: store_as<at::Half>(finish.loss, result); break;
+    case c10::ScalarType::BFloat16: store_as<at::BFloat16>(finish.loss, result); break;
+    default: store_as<float>(finish.loss, result); break;
+  }
 }
 
-// Writes the loss described above into the 0-dim tensor `loss`. partials: (num_terms,
-// num_partials) doubles; divisors: nullptr, or (num_terms, num_divisors) doubles.
-inline void finish_sum(const sum_t* partials, int num_terms, int64_t num_partials, double scale,
-                       const sum_t* divisors, int64_t num_divisors, at::Tensor& loss) {
-  TORCH_CHECK(num_terms >= 1 && num_terms <= kMaxTerms, "finish_sum: internal error: ", num_terms, " terms");
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, loss.scalar_type(), "finish_sum", [&] {
-    finish_sum_kernel<scalar_t><<<1, kFinishThreads, 0, stream>>>(partials, num_partials, num_terms, scale,
-                                                                    divisors, num_divisors, loss.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+__global__ void finish_sum_kernel(Finish finish) {
+  __shared__ sum_t scratch[32];
+  finish_partials(finish, scratch);
+}
+
+// The end of a loss kernel, after thread 0 wrote the block's partials (and divisors):
+// the last block to get here adds everyone's. The fence makes this block's writes
+// visible to the GPU before its ticket counts it (CUDA's threadFenceReduction pattern).
+__device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t* scratch) {
+  if (finish.ticket == nullptr) return;
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(finish.ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  finish_partials(finish, scratch);
+  if (threadIdx.x == 0) *finish.ticket = 0;  // ready for the stream's next launch
+}
+
+// The ticket of `stream`: a counter, zeroed once, that each launch's last block sets back
+// to 0. One per stream and device, since launches on one stream never overlap and on two
+// they may. Kept for the life of the process (4 bytes per stream: torch's streams come
+// from a fixed pool). nullptr while the stream is being captured into a CUDA graph: a
+// graph may be replayed on another stream, beside launches on this one.
+inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  static Remembered<std::pair<int, cudaStream_t>, unsigned int*> tickets;
+  return tickets.get({device, stream}, [&] {
+    // A tensor never destroyed: its memory stays ours, and no destructor runs after the
+    // allocator's at exit. Zeroed on `stream`, so the first launch there sees 0.
+    auto* ticket = new at::Tensor(at::zeros({1}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kInt)));
+    return static_cast<unsigned int*>(ticket->data_ptr());
   });
+}
+
+// What a loss kernel launched on `stream` needs to finish the scalar `loss` (0-dim) itself.
+inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, double scale,
+                          const sum_t* divisors, int64_t num_divisors, const at::Tensor& loss, cudaStream_t stream) {
+  TORCH_CHECK(num_terms >= 1 && num_terms <= kMaxTerms, "make_finish: internal error: ", num_terms, " terms");
+  Finish finish;
+  finish.partials = partials;
+  finish.num_partials = num_partials;
+  finish.num_terms = num_terms;
+  finish.scale = scale;
+  finish.divisors = divisors;
+  finish.num_divisors = num_divisors;
+  finish.loss = loss.data_ptr();
+  finish.loss_type = loss.scalar_type();
+  finish.ticket = finish_ticket(loss.get_device(), stream);
+  return finish;
+}
+
+// After the loss kernel: the finish it could not do itself (no ticket), in a launch of its own.
+inline void finish_without_ticket(const Finish& finish, cudaStream_t stream) {
+  if (finish.partials == nullptr || finish.ticket != nullptr) return;
+  finish_sum_kernel<<<1, kFinishThreads, 0, stream>>>(finish);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // ---------------------------------------------------------------------------------
@@ -489,17 +574,17 @@ __device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePoin
   return pack_sum;
 }
 
-// `partials` (one per block) is set for scalar reductions, nullptr otherwise. At least two
-// blocks per multiprocessor: a batch of 2-byte packs must fit in 128 registers.
+// `finish.partials` (one per block) is set for scalar reductions, nullptr otherwise. At
+// least two blocks per multiprocessor: a batch of 2-byte packs must fit in 128 registers.
 template <typename T, int VEC, typename Op>
 __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointers<T> ptr, PointwiseArgs args,
-                                                             Op op, sum_t* __restrict__ partials) {
+                                                             Op op, Finish finish) {
   using acc_t = at::opmath_type<T>;
   __shared__ sum_t scratch[32];
   const acc_t grad_scale = static_cast<acc_t>(args.grad_scale);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
-  const bool need_loss = partials != nullptr || ptr.loss_out != nullptr;
+  const bool need_loss = finish.partials != nullptr || ptr.loss_out != nullptr;
   constexpr int batch = Op::kBatch;
   sum_t thread_sum = 0;
   PointwiseInputs<T, VEC> loaded[batch];
@@ -528,16 +613,18 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
   for (int64_t i = num_packs * VEC + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < args.n; i += stride) {
     thread_sum += pointwise_pack<1>(ptr, i, load_pointwise<1>(ptr, i), grad_scale, need_loss, op);
   }
-  if (partials != nullptr) {
+  if (finish.partials != nullptr) {
     const sum_t block_total = block_sum(thread_sum, scratch);
-    if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
+    if (threadIdx.x == 0) finish.partials[blockIdx.x] = block_total;
+    finish_if_last_block(finish, scratch);
   }
 }
 
-// Launches pointwise_loss_kernel with 16-byte packs when every pointer allows it.
+// Launches pointwise_loss_kernel with 16-byte packs when every pointer allows it. With
+// `scalar_loss` (0-dim), the elements' sum times args.grad_scale is written there.
 template <typename T, typename Op>
 void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, const Op& op,
-                           at::Tensor* partials, int device) {
+                           const at::Tensor* scalar_loss, int device) {
   constexpr int VEC = vec16<T>();
   const int threads = 256;
   const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) &&
@@ -545,18 +632,20 @@ void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, 
                          is_aligned16(ptr.grad_input) && is_aligned16(ptr.grad_target);
   const int64_t grid = vector_ok ? grid_for(pointwise_loss_kernel<T, VEC, Op>, args.n / VEC + 1, threads, device)
                                  : grid_for(pointwise_loss_kernel<T, 1, Op>, args.n, threads, device);
-  sum_t* partials_out = nullptr;
-  if (partials != nullptr) {
-    *partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
-    partials_out = partials->data_ptr<sum_t>();
-  }
   auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor partials;
+  Finish finish;
+  if (scalar_loss != nullptr) {
+    partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
+    finish = make_finish(partials.data_ptr<sum_t>(), 1, grid, args.grad_scale, nullptr, 0, *scalar_loss, stream);
+  }
   if (vector_ok) {
-    pointwise_loss_kernel<T, VEC><<<grid, threads, 0, stream>>>(ptr, args, op, partials_out);
+    pointwise_loss_kernel<T, VEC><<<grid, threads, 0, stream>>>(ptr, args, op, finish);
   } else {
-    pointwise_loss_kernel<T, 1><<<grid, threads, 0, stream>>>(ptr, args, op, partials_out);
+    pointwise_loss_kernel<T, 1><<<grid, threads, 0, stream>>>(ptr, args, op, finish);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  finish_without_ticket(finish, stream);
 }
 
 // `other` (named `other_name` in messages) must match input in device, dtype and shape.
@@ -608,10 +697,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
     const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(), nullptr,
                                           scalar_loss ? nullptr : loss.data_ptr<scalar_t>(),
                                           data_or_null<scalar_t>(grad_input), data_or_null<scalar_t>(grad_target)};
-    at::Tensor partials;
-    launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), scale}, op, scalar_loss ? &partials : nullptr,
+    launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), scale}, op, scalar_loss ? &loss : nullptr,
                           input.get_device());
-    if (scalar_loss) finish_sum(partials.data_ptr<sum_t>(), 1, partials.numel(), scale, nullptr, 0, loss);
   });
   return {loss, grad_input, grad_target};
 }

@@ -322,7 +322,7 @@ struct CrossEntropyParams {
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
   at::opmath_type<T>* lse;  // (rows)
-  sum_t* partials;        // (2, gridDim.x): per block, the sum of ce and of z
+  Finish finish;          // partials (2, gridDim.x): per block, the sum of ce and of z
   T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
   T* grad_target;         // (rows, C): probabilities
   // Rows beyond the register cache, when a gradient is written: how many packs of the
@@ -581,9 +581,10 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       }
     }
   }
-  if (params.partials != nullptr && threadIdx.x == 0) {
-    params.partials[blockIdx.x] = block_ce;
-    params.partials[gridDim.x + blockIdx.x] = block_z;
+  if (params.finish.partials == nullptr) return;
+  if (threadIdx.x == 0) {
+    params.finish.partials[blockIdx.x] = block_ce;
+    params.finish.partials[gridDim.x + blockIdx.x] = block_z;
   }
   if constexpr (!kProbs) {
     if (params.divisors_after_rows != nullptr) {
@@ -591,6 +592,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
                           params.weight, scratch_sum, params.divisors_after_rows);
     }
   }
+  finish_if_last_block(params.finish, scratch_sum);
 }
 
 // ---------------------------------------------------------------------------------
@@ -737,17 +739,10 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
   return {threads, grid_for(kernel, rows * threads, threads, device, smem), smem, stash_packs};
 }
 
-// What a launch writes; undefined tensors are not written.
+// What a launch writes; undefined tensors are not written. `loss` is a scalar
+// reduction's (0-dim), `loss_per_row` reduction 'none''s.
 struct CrossEntropyOutputs {
-  at::Tensor loss_per_row, lse, grad_logits, grad_target;
-  // Filled in by launch_cross_entropy for scalar reductions, in one allocation (launch-
-  // bound calls feel each one): per block, the ce and z sums (2, num_partials), and for
-  // 'mean' with class indices the divisors (2, num_divisors).
-  at::Tensor workspace;
-  sum_t* partials = nullptr;
-  int64_t num_partials = 0;
-  sum_t* divisors = nullptr;
-  int64_t num_divisors = 0;
+  at::Tensor loss, loss_per_row, lse, grad_logits, grad_target;
 };
 
 // Runs the kernel for a scalar reduction (`reduction`), reduction 'none' (forward), or
@@ -808,26 +803,30 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     const bool divided = reduction == kMean && !Cfg::probs;
     const bool counted_after_rows = divided && !want_grad;
     const bool counted_here = divided && want_grad && rows <= kRowsCountedPerBlock;
-    out.num_partials = launch.blocks;
-    out.num_divisors = !divided            ? 0
-                       : counted_after_rows ? launch.blocks
-                       : counted_here       ? 1
-                                            : grid_for(count_kernel, rows, count_threads, device);
-    out.workspace = at::empty({2 * (out.num_partials + out.num_divisors)}, in.logits.options().dtype(at::kDouble));
-    out.partials = params.partials = out.workspace.data_ptr<sum_t>();
-    out.divisors = divided ? out.partials + 2 * out.num_partials : nullptr;
+    const int64_t num_partials = launch.blocks;
+    const int64_t num_divisors = !divided            ? 0
+                                 : counted_after_rows ? launch.blocks
+                                 : counted_here       ? 1
+                                                      : grid_for(count_kernel, rows, count_threads, device);
+    // One allocation (launch-bound calls feel each one): per block, the ce and z sums
+    // (2, num_partials), and for 'mean' with class indices the divisors (2, num_divisors).
+    const at::Tensor workspace = at::empty({2 * (num_partials + num_divisors)}, in.logits.options().dtype(at::kDouble));
+    sum_t* partials = workspace.data_ptr<sum_t>();
+    sum_t* divisors = divided ? partials + 2 * num_partials : nullptr;
     if (counted_after_rows) {
-      params.divisors_after_rows = out.divisors;
+      params.divisors_after_rows = divisors;
     } else if (counted_here) {
-      params.counted_divisors = out.divisors;
+      params.counted_divisors = divisors;
     } else if (divided) {
-      count_kernel<<<out.num_divisors, count_threads, 0, stream>>>(
-          in.target.data_ptr<index_t>(), rows, params.num_classes, in.ignore_index, params.weight, out.divisors);
+      count_kernel<<<num_divisors, count_threads, 0, stream>>>(
+          in.target.data_ptr<index_t>(), rows, params.num_classes, in.ignore_index, params.weight, divisors);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      params.divisors = out.divisors;
-      params.num_divisors = out.num_divisors;
+      params.divisors = divisors;
+      params.num_divisors = num_divisors;
     }
+    params.finish = make_finish(partials, 2, num_partials, params.ce_scale, divisors, num_divisors, out.loss, stream);
     launch_kernel();
+    finish_without_ticket(params.finish, stream);
   });
 }
 
@@ -852,17 +851,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   const auto options = in.logits.options();
   at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {rows});
   CrossEntropyOutputs out;
-  if (!scalar_loss) out.loss_per_row = loss;
+  if (scalar_loss) {
+    out.loss = loss;
+  } else {
+    out.loss_per_row = loss;
+  }
   if (want_lse) out.lse = at::empty({rows}, options.dtype(in.accumulation_dtype()));
   if (scalar_loss && want_grad_logits) out.grad_logits = inplace ? in.logits : in.empty_row_tensor();
   if (scalar_loss && want_grad_target) out.grad_target = in.empty_row_tensor();
-  if (in.logits.numel() > 0) {  // losses.py sends empty inputs to torch
-    launch_cross_entropy(in, reduction, at::Tensor(), out);
-    if (scalar_loss) {
-      finish_sum(out.partials, 2, out.num_partials, reduction == kMean && in.probs ? 1.0 / double(rows) : 1.0,
-                 out.divisors, out.num_divisors, loss);
-    }
-  }
+  if (in.logits.numel() > 0) launch_cross_entropy(in, reduction, at::Tensor(), out);  // losses.py sends empty inputs to torch
   return {loss, out.grad_logits, out.grad_target, out.lse};
 }
 

@@ -9,8 +9,8 @@ per call, with no synchronization inside the loop (the queue stays full, as in t
   op         the kernel op alone, called with the arguments losses.py would pass
   launch     one tiny aten kernel launch (x.add_(1) on a 1-element tensor), for scale
 and the same for a training step (forward + backward). "ours - op" is our Python layer;
-"op" holds the C++ checks, allocations and our launches (two: the loss kernel and the
-kernel that adds the blocks' partial sums).
+"op" holds the C++ checks, allocations and our launch (one: the loss kernel's last block
+adds the blocks' partial sums).
 """
 import argparse
 import sys

@@ -6,7 +6,7 @@ For the large cases of bench.py (ours, and torch.compile's for MSE), forward and
 torch.profiler records 20 steps run back to back after a warm-up, and this prints, per kernel
 of a step, the median of its GPU time, the median gap before the next kernel of the step, and
 the median span of a step (first kernel's start to last kernel's end). It shows where a step's
-fixed costs are (the finish kernel, the count of cross-entropy's targets, launch gaps) beside
+fixed costs are (the count of cross-entropy's targets, autograd's kernels, launch gaps) beside
 the main kernel, which bench.py times only as a whole.
 """
 import statistics
