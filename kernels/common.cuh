@@ -383,8 +383,10 @@ __device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t
 // to 0. One per stream and device, since launches on one stream never overlap and on two
 // they may. Kept for the life of the process (4 bytes per stream: torch's streams come
 // from a fixed pool). nullptr while the stream is being captured into a CUDA graph: a
-// graph may be replayed on another stream, beside launches on this one.
+// graph may be replayed on another stream, beside launches on this one. nullptr for
+// cudaStreamPerThread too: one handle that names another stream in each host thread.
 inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
+  if (stream == cudaStreamPerThread) return nullptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) return nullptr;

@@ -55,3 +55,27 @@ def test_concurrent_streams_match_one_stream(name, reduction, with_grad):
             assert torch.equal(got_loss, expected_loss), f"{where}: loss {got_loss} != {expected_loss}"
             for index, got, expected in zip(loss.grad_of, got_grads, expected_grads):
                 assert torch.equal(got, expected), f"{where}: gradient of input {index} differs"
+
+
+
+CUDA_STREAM_PER_THREAD = 0x2  # the runtime's cudaStreamPerThread handle
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,reduction", CASES)
+def test_per_thread_default_stream(name, reduction):
+    """On cudaStreamPerThread the loss is finished by a kernel of its own (no counter for a
+    handle that names another stream in each thread): the same loss as on the default stream.
+    (Forward only: torch's autograd runs backward on its own thread, where that handle names
+    yet another stream.)"""
+    loss = LOSSES[name]
+    fused = loss.fused(reduction)
+    inputs = loss.inputs(1536, 4099, torch.float32)
+    with torch.no_grad():
+        expected = fused(*inputs)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.ExternalStream(CUDA_STREAM_PER_THREAD)):
+            poison_allocator(torch.empty((), device="cuda"))
+            got = fused(*inputs)
+            torch.cuda.current_stream().synchronize()
+    torch.testing.assert_close(got, expected)
