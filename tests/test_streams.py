@@ -57,7 +57,6 @@ def test_concurrent_streams_match_one_stream(name, reduction, with_grad):
                 assert torch.equal(got, expected), f"{where}: gradient of input {index} differs"
 
 
-
 CUDA_STREAM_PER_THREAD = 0x2  # the runtime's cudaStreamPerThread handle
 
 
