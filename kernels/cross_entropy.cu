@@ -336,8 +336,11 @@ struct CrossEntropyParams {
 // registers, and the gradient is written from them. A longer row (kStreamed) is read
 // with an online max/sum; for the gradient, its front comes from the shared-memory stash
 // and the rest is read again, mostly from L2. Two instantiations rather than one kernel
-// with both paths: each path's registers are then its own.
-template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed>
+// with both paths: each path's registers are then its own. kSumOnly: a scalar loss with
+// no gradient, lse or per-row loss, an instantiation without their code and registers
+// (more blocks per multiprocessor, for the forward of a no-grad call).
+template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed,
+          bool kSumOnly>
 __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropyParams<T> params) {
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
@@ -357,7 +360,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(num_classes);  // eps / C
-  const bool want_grad = params.grad_logits != nullptr || params.grad_target != nullptr;
+  const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
   acc_t ce_scale = static_cast<acc_t>(params.ce_scale), z_scale = ce_scale;
   if constexpr (!kProbs) {
@@ -484,7 +487,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false,
                                         [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
-        if (p < stash_packs) stash[p] = xp;
+        if (!kSumOnly && p < stash_packs) stash[p] = xp;
         if constexpr (kClassSums) {
           sums.add(pack_class_sums<kProbs>(xp, yp, first_class(p), params.weight, first_logit));
         }
@@ -525,12 +528,13 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
         if (!kProbs) ce += target_weight * ((row_max - target_logit) + log_sum);
         z = z_loss * lse * lse;
       }
-      if (params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
-      if (params.lse != nullptr) params.lse[row] = lse;
+      if (!kSumOnly && params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
+      if (!kSumOnly && params.lse != nullptr) params.lse[row] = lse;
       block_ce += ce;
       block_z += z;
     }
 
+    if constexpr (kSumOnly) continue;
     if (want_grad) {
       const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : ce_scale;
       const acc_t sz = params.grad_output != nullptr ? s : z_scale;
@@ -762,10 +766,16 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using acc_t = at::opmath_type<T>;
     const int64_t num_packs = in.logits.size(1) / Cfg::vec;
     const bool streamed = num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
-    auto kernel = streamed ? cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs,
-                                                  Cfg::class_sums, true>
-                           : cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs,
-                                                  Cfg::class_sums, false>;
+    const bool sum_only = scalar_loss && !out.grad_logits.defined() && !out.grad_target.defined() &&
+                          !out.lse.defined();
+    auto kernel_for = [&](auto streamed_tag, auto sum_only_tag) {
+      return cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums,
+                                  decltype(streamed_tag)::value, decltype(sum_only_tag)::value>;
+    };
+    using yes = std::true_type;
+    using no = std::false_type;
+    auto kernel = streamed ? (sum_only ? kernel_for(yes{}, yes{}) : kernel_for(yes{}, no{}))
+                           : (sum_only ? kernel_for(no{}, yes{}) : kernel_for(no{}, no{}));
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
     params.target = in.target.data_ptr();
