@@ -360,6 +360,7 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(num_classes);  // eps / C
+  // Constant false in kSumOnly: the gradient pass below compiles out.
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
   acc_t ce_scale = static_cast<acc_t>(params.ce_scale), z_scale = ce_scale;
@@ -534,7 +535,6 @@ __global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropy
       block_z += z;
     }
 
-    if constexpr (kSumOnly) continue;
     if (want_grad) {
       const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : ce_scale;
       const acc_t sz = params.grad_output != nullptr ? s : z_scale;
