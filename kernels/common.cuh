@@ -64,10 +64,22 @@ __device__ __forceinline__ double log_acc(double x) { return log(x); }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// 2^x by the hardware, results below 2^-126 flushed to 0. exp2f compiles to the same
+// instruction plus three more per call that scale subnormal results (a compare, two
+// predicated multiplies): a third of a softmax's instructions per logit on the 2-byte
+// cross-entropy paths, which are bound by instruction issue, not bytes (notes, v20).
+// A flushed term is below 2^-126 of the largest one in its sum or gradient: float16
+// cannot hold it, and bfloat16 only as a subnormal 2^-126 below its row's scale.
+__device__ __forceinline__ float exp2_flush_subnormal(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <typename T>
 __device__ __forceinline__ at::opmath_type<T> exp_for(at::opmath_type<T> x) {
   if constexpr (sizeof(T) == 2) {
-    return exp2f(x * kLog2e);
+    return exp2_flush_subnormal(x * kLog2e);
   } else {
     return exp_acc(x);
   }

@@ -89,7 +89,7 @@ __device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_ty
   acc_t pack_sum = 0;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) pack_sum += exp_for<T>(static_cast<acc_t>(pack.val[k]) - max);
-  return {max, acc.sum * exp_acc(acc.max - max) + pack_sum};
+  return {max, acc.sum * exp_for<T>(acc.max - max) + pack_sum};
 }
 
 // Sums over a row that label smoothing and probability targets need. Logits enter as
@@ -201,11 +201,15 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
                                                 const RowGradient<acc_t>& g, const acc_t* weight, T* grad_x,
                                                 T* grad_y) {
   Pack<T, VEC> dx, dy;
+  // The one-hot class's place in this pack (-1: not here), as a 32-bit index: compared per
+  // element as first_class + k, the 64-bit class index cost four instructions a logit.
+  const int64_t one_hot_in_pack = g.one_hot - first_class;
+  const int one_hot_k = one_hot_in_pack >= 0 && one_hot_in_pack < VEC ? static_cast<int>(one_hot_in_pack) : -1;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
     const acc_t shifted = static_cast<acc_t>(x.val[k]) - g.row_max;
     acc_t d = exp_for<T>(shifted) * g.A_over_sum;
-    if (first_class + k == g.one_hot) d -= g.B;
+    if (k == one_hot_k) d -= g.B;
     if constexpr (kClassSums) {
       const acc_t w = class_weight(weight, first_class + k);
       d -= w * ((kProbs ? g.a * static_cast<acc_t>(y.val[k]) : acc_t(0)) + g.b);
