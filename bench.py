@@ -15,10 +15,15 @@ What it measures, per case (loss, shape, dtype) and implementation:
            liger_cross_entropy(logits, target), when importable; it has no MSE
 Forward time is taken under torch.no_grad(); the training step is forward + loss.backward()
 with the gradient of the first input only (p, x, logits). Times are medians over many
-groups of 5 back-to-back steps, each group between two CUDA events (the GPU stays busy,
-as in a training loop), after a warm-up that includes kernel builds and compilation. In a
-small case the host sets the times, and its speed drifts during a run: there the
-implementations take turns (5 rounds), so that the drift falls on all of them alike. Inputs are random (softmax of randn for KL, randn for MSE and logits); the
+groups of 5 back-to-back steps, each group between two CUDA events, after a warm-up that
+includes kernel builds and compilation. In a large case the GPU spins before each group
+for twice as long as the host takes to queue it, so the events time the GPU's work with
+the queue full, as in a training loop whose loss is launched while the model's kernels
+still run: a step whose host side (Python, autograd) is slower than its kernels would
+otherwise be timed by the host (rep_times_ms, host_ahead). In a small (launch-bound) case
+the host sets the times, as it does for a small model, and its speed drifts during a run:
+there the implementations take turns (5 rounds), so that the drift falls on all of them
+alike. Inputs are random (softmax of randn for KL, randn for MSE and logits); the
 large cases are far larger than L2, the small (launch-bound) ones rotate among enough
 input sets to cover more than L2.
 
@@ -43,12 +48,14 @@ Without a CUDA GPU it says so, checks the CPU path against torch.nn.functional, 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -170,44 +177,87 @@ def free_gpu_memory():
 # ----------------------------------------------------------------------------------
 # Timing.
 
-def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: int = 5) -> list[float]:
+@functools.lru_cache(maxsize=None)
+def sleep_cycles_per_ms() -> float:
+    """Clock cycles of torch.cuda._sleep (a spinning kernel) per millisecond on this GPU."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return 10**7 / start.elapsed_time(end)
+
+
+def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: int = 5,
+                 host_ahead: bool = False) -> list[float]:
     """The time per step of each of reps, each rep timing `group` back-to-back steps
-    between two CUDA events, so the GPU runs as in a training loop (queue full, the
-    host's launch overhead hidden) rather than idling between single launches.
-    before_step(i) (clearing .grad) runs inside the group; i cycles through the input sets."""
-    for i in range(warmup):
-        before_step(i % count)
-        step(i % count)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    i = 0
-    for rep in range(reps):
-        starts[rep].record()
+    between two CUDA events. before_step(i) (clearing .grad) runs inside the group; i
+    cycles through the input sets.
+
+    host_ahead: the GPU first spins (torch.cuda._sleep) for twice as long as the host takes
+    to queue a group, so the events time the GPU's work alone, with the queue full: the
+    host's launch overhead hidden, as in a training step whose loss is launched while the
+    model's earlier kernels still run. A rep whose group the GPU began before the host had
+    queued all of it is caught (its start event done too early) and the run repeated with
+    a longer spin. Without host_ahead (the launch-bound small cases) the time is the
+    host's wherever the host is the slower side."""
+    def run_group(i):
         for _ in range(group):
             before_step(i % count)
             step(i % count)
             i += 1
-        ends[rep].record()
-    torch.cuda.synchronize()  # every event has completed before elapsed_time reads it
+        return i
+
+    for i in range(warmup):
+        before_step(i % count)
+        step(i % count)
+    torch.cuda.synchronize()
+    spin_cycles = 0
+    if host_ahead:
+        host_ms = 0.0
+        for i in range(3):  # the slowest of three groups
+            began = time.perf_counter()
+            run_group(i * group)
+            host_ms = max(host_ms, (time.perf_counter() - began) * 1e3)
+            torch.cuda.synchronize()
+        spin_cycles = int(2 * host_ms * sleep_cycles_per_ms())
+    for attempt in range(3):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        started_early = 0
+        i = 0
+        for rep in range(reps):
+            if spin_cycles:
+                torch.cuda._sleep(spin_cycles)
+            starts[rep].record()
+            i = run_group(i)
+            ends[rep].record()
+            started_early += spin_cycles > 0 and starts[rep].query()
+        torch.cuda.synchronize()  # every event has completed before elapsed_time reads it
+        if not started_early:
+            break
+        spin_cycles *= 4
+    if started_early:
+        print(f"warning: in {started_early} of {reps} reps the GPU caught up with the host", file=sys.stderr)
     return [start.elapsed_time(end) / group for start, end in zip(starts, ends)]
 
 
-def forward_times(loss_fn, input_sets, reps, warmup) -> list[float]:
+def forward_times(loss_fn, input_sets, reps, warmup, host_ahead) -> list[float]:
     def step(i):
         loss_fn(*input_sets[i])
     with torch.no_grad():
-        return rep_times_ms(step, lambda i: None, len(input_sets), reps, warmup)
+        return rep_times_ms(step, lambda i: None, len(input_sets), reps, warmup, host_ahead=host_ahead)
 
 
-def training_step_times(loss_fn, input_sets, reps, warmup) -> list[float]:
+def training_step_times(loss_fn, input_sets, reps, warmup, host_ahead) -> list[float]:
     """Inputs whose first tensor requires grad; its .grad is cleared (untimed) before each step."""
     def clear_grad(i):
         input_sets[i][0].grad = None
 
     def step(i):
         loss_fn(*input_sets[i]).backward()
-    return rep_times_ms(step, clear_grad, len(input_sets), reps, warmup)
+    return rep_times_ms(step, clear_grad, len(input_sets), reps, warmup, host_ahead=host_ahead)
 
 
 def peak_extra_bytes(loss_fn, input_sets) -> int:
@@ -281,14 +331,14 @@ class Contender:
             self.result["error"] = f"{type(error).__name__}: {first_line[:200]}"
             self.release()
 
-    def time(self, mode: str, reps: int, warmup: int) -> None:
+    def time(self, mode: str, reps: int, warmup: int, host_ahead: bool) -> None:
         """Adds reps timings of the forward ('forward') or the training step ('train')."""
         def measure():
             if mode == "train":
                 for inputs in self.input_sets:
                     inputs[0].requires_grad_(True)
             timer = training_step_times if mode == "train" else forward_times
-            self.times[mode] += timer(self.loss_fn, self.input_sets, reps, warmup)
+            self.times[mode] += timer(self.loss_fn, self.input_sets, reps, warmup, host_ahead)
         if self.ready:
             self.attempt(measure)
 
@@ -325,7 +375,8 @@ def run_case(loss, rows, cols, dtype, small, impls, reps, warmup) -> list[dict]:
         for mode in ("forward", "train"):
             for round_index in range(rounds):
                 for contender in contenders:
-                    contender.time(mode, max(1, reps // rounds), warmup if round_index == 0 else 1)
+                    contender.time(mode, max(1, reps // rounds), warmup if round_index == 0 else 1,
+                                   host_ahead=not small)
         results += [contender.finish() for contender in contenders]
     return results
 
@@ -371,7 +422,8 @@ def print_table(results, gpu, copy_gbps):
         if i == 0:
             print("  ".join("-" * w for w in widths))
     print("x floor: time / (floor bytes / copy bandwidth); '-' for launch-bound cases. "
-          "ours speedup: that row's time / ours' time.")
+          "ours speedup: that row's time / ours' time.\n"
+          "Large cases: GPU time, the host queued ahead; small cases: time per call as the host sees it.")
     for r in results:
         if r["error"]:
             print(f"  {r['case']} {r['impl']}: {r['error']}")
@@ -502,6 +554,8 @@ def main(argv=None):
         "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
         "copy_bandwidth_GBps": copy_gbps, "copy_bytes_moved": 2 * COPY_BYTES,
         "reps": reps, "warmup": warmup, "quick": args.quick,
+        "timing": "large cases: GPU time, the host queued ahead (rep_times_ms host_ahead); "
+                  "small cases: per call as the host sees it",
         "liger": liger_version(), "liger_note": LIGER_MISSING,
         "floor_bytes_per_element": {loss: {"forward": fwd, "train": train}
                                     for loss, (fwd, train) in FLOOR_BYTES_PER_ELEMENT.items()},
