@@ -199,9 +199,10 @@ def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: i
     to queue a group, so the events time the GPU's work alone, with the queue full: the
     host's launch overhead hidden, as in a training step whose loss is launched while the
     model's earlier kernels still run. A rep whose group the GPU began before the host had
-    queued all of it is caught (its start event done too early) and the run repeated with
-    a longer spin. Without host_ahead (the launch-bound small cases) the time is the
-    host's wherever the host is the slower side."""
+    queued all of it is caught (its start event done too early) and the run repeated once
+    with a longer spin; a step that waits for the GPU itself is timed with its waits.
+    Without host_ahead (the launch-bound small cases) the time is the host's wherever the
+    host is the slower side."""
     def run_group(i):
         for _ in range(group):
             before_step(i % count)
@@ -222,7 +223,7 @@ def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: i
             host_ms = max(host_ms, (time.perf_counter() - began) * 1e3)
             torch.cuda.synchronize()
         spin_cycles = int(2 * host_ms * sleep_cycles_per_ms())
-    for attempt in range(3):
+    for attempt in range(2):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         started_early = 0
@@ -238,8 +239,9 @@ def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: i
         if not started_early:
             break
         spin_cycles *= 4
-    if started_early:
-        print(f"warning: in {started_early} of {reps} reps the GPU caught up with the host", file=sys.stderr)
+    if started_early:  # Liger's steps: its forward and backward wait for the GPU (.item(), torch.equal)
+        print(f"note: the GPU began {started_early} of {reps} groups before the host had queued them (a step "
+              "that waits for the GPU, or a slow host): those times include the host's", file=sys.stderr)
     return [start.elapsed_time(end) / group for start, end in zip(starts, ends)]
 
 
