@@ -172,7 +172,7 @@ inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
 
 // ---------------------------------------------------------------------------------
 // Reductions. block_allreduce gives every thread the result; blockDim.x must be a
-// multiple of 32 (all launchers here use 32..512 threads).
+// multiple of 32 and at most 1024 (one scratch slot per warp).
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);

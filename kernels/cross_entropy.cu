@@ -335,6 +335,17 @@ struct CrossEntropyParams {
   int64_t stash_packs;
 };
 
+// Threads of a block that streams a row and stashes its front, one such block per
+// multiprocessor with all of its shared memory (two blocks of 256 with half each were
+// slower: 128256-class bf16 training 1.38x vs 1.33x the floor with 512). 1024 where the
+// kernel fits in 64 registers, class-index targets without label smoothing in 2- and
+// 4-byte dtypes: twice the loads in flight of 512 (1.23x -> 1.17x); the class sums and
+// float64 need more registers.
+template <typename T>
+constexpr int stash_threads(bool probs, bool class_sums) {
+  return probs || class_sums || sizeof(T) > 4 ? kMaxThreads : 1024;
+}
+
 // One block per row (grid-stride over rows). A row that fits the register cache is read
 // from HBM once: max, then sum(exp(x - max)) (and the class sums), are exact passes over
 // registers, and the gradient is written from them. A longer row (kStreamed) is read
@@ -345,7 +356,8 @@ struct CrossEntropyParams {
 // (more blocks per multiprocessor, for the forward of a no-grad call).
 template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed,
           bool kSumOnly>
-__global__ void __launch_bounds__(kMaxThreads) cross_entropy_kernel(CrossEntropyParams<T> params) {
+__global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kProbs, kClassSums) : kMaxThreads)
+    cross_entropy_kernel(CrossEntropyParams<T> params) {
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
@@ -700,11 +712,6 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
   });
 }
 
-// Threads of a block that streams a row and stashes its front: one such block per
-// multiprocessor, with all of its shared memory (measured against two blocks of 256 with
-// half each: 128256-class bf16 training 1.33x vs 1.38x the floor).
-constexpr int kStashThreads = 512;
-
 // How a launch lays rows on the GPU.
 struct RowLaunch {
   int threads;
@@ -722,7 +729,7 @@ struct RowLaunch {
 // holds. As many blocks as fit on the GPU at once.
 template <typename Kernel>
 RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_packs, int cached_packs,
-                     size_t pack_bytes, bool want_grad, int device) {
+                     size_t pack_bytes, bool want_grad, int stash_block_threads, int device) {
   int threads = 256;
   size_t smem = 0;
   int64_t stash_packs = 0;
@@ -745,7 +752,7 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
       }
     }
     if (threads == 0) {
-      threads = kStashThreads;
+      threads = stash_block_threads;
       stash_packs = std::min<int64_t>(num_packs, budget / pack_bytes);
     }
     smem = stash_packs * pack_bytes;
@@ -803,7 +810,8 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     params.grad_target = data_or_null<T>(out.grad_target);
     const bool want_grad = params.grad_logits != nullptr || params.grad_target != nullptr;
     const RowLaunch launch = row_launch(kernel, streamed, rows, num_packs, cache_packs<Cfg::probs>(),
-                                        sizeof(Pack<T, Cfg::vec>), want_grad, device);
+                                        sizeof(Pack<T, Cfg::vec>), want_grad,
+                                        stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
     params.stash_packs = launch.stash_packs;
     auto launch_kernel = [&] {
       kernel<<<launch.blocks, launch.threads, launch.dynamic_smem, stream>>>(params);
