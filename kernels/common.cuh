@@ -67,7 +67,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // 2^x by the hardware, results below 2^-126 flushed to 0. exp2f compiles to the same
 // instruction plus three more per call that scale subnormal results (a compare, two
 // predicated multiplies): a third of a softmax's instructions per logit on the 2-byte
-// cross-entropy paths, which are bound by instruction issue, not bytes (notes, v20).
+// cross-entropy paths, which were bound by instruction issue (notes, v16 and v20).
 // A flushed term is below 2^-126 of the largest one in its sum or gradient: float16
 // cannot hold it, and bfloat16 only as a subnormal 2^-126 below its row's scale.
 __device__ __forceinline__ float exp2_flush_subnormal(float x) {
