@@ -203,23 +203,22 @@ def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: i
     with a longer spin; a step that waits for the GPU itself is timed with its waits.
     Without host_ahead (the launch-bound small cases) the time is the host's wherever the
     host is the slower side."""
-    def run_group(i):
-        for _ in range(group):
+    def run_steps(i, steps):
+        """Steps i, i + 1, ... (input sets cycled); returns the next i."""
+        for _ in range(steps):
             before_step(i % count)
             step(i % count)
             i += 1
         return i
 
-    for i in range(warmup):
-        before_step(i % count)
-        step(i % count)
+    run_steps(0, warmup)
     torch.cuda.synchronize()
     spin_cycles = 0
     if host_ahead:
-        host_ms = 0.0
-        for i in range(3):  # the slowest of three groups
+        host_ms, i = 0.0, 0
+        for _ in range(3):  # the slowest of three groups
             began = time.perf_counter()
-            run_group(i * group)
+            i = run_steps(i, group)
             host_ms = max(host_ms, (time.perf_counter() - began) * 1e3)
             torch.cuda.synchronize()
         spin_cycles = int(2 * host_ms * sleep_cycles_per_ms())
@@ -232,7 +231,7 @@ def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: i
             if spin_cycles:
                 torch.cuda._sleep(spin_cycles)
             starts[rep].record()
-            i = run_group(i)
+            i = run_steps(i, group)
             ends[rep].record()
             started_early += spin_cycles > 0 and starts[rep].query()
         torch.cuda.synchronize()  # every event has completed before elapsed_time reads it
