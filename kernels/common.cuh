@@ -85,6 +85,19 @@ __device__ __forceinline__ at::opmath_type<T> exp_for(at::opmath_type<T> x) {
   }
 }
 
+// exp(x - m) for a softmax over T: with 2-byte T, 2^(x log2e - m log2e), one fused
+// multiply-add per value once m log2e is known (the subtraction and the multiply
+// were two). The rounding of m log2e shifts every term of a row alike, by at most
+// |m| 2^-24 in the exponent, the size of the rounding of lse = max + log(sum) itself.
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> exp_minus(at::opmath_type<T> x, at::opmath_type<T> m) {
+  if constexpr (sizeof(T) == 2) {
+    return exp2_flush_subnormal(fmaf(x, kLog2e, -(m * kLog2e)));
+  } else {
+    return exp_acc(x - m);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ at::opmath_type<T> log_for(at::opmath_type<T> x) {
   if constexpr (sizeof(T) == 2) {
@@ -295,6 +308,208 @@ size_t max_dynamic_smem(Kernel kernel, int device) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(budget)));
     return budget;
   });
+}
+
+// ---------------------------------------------------------------------------------
+// Copy engine and clusters (sm_90, CUDA 12 or later). cp.async.bulk moves a block of
+// global memory into shared memory with no register per byte, and completes an
+// mbarrier that the readers wait on: a block can have a whole row in flight. A cluster
+// of blocks on neighbouring multiprocessors can write each other's shared memory and
+// wait at one barrier. Elsewhere (sm_80, or a CUDA 11.8 build) bulk_copy_supported is
+// false, the launchers do not use kernels that need these, and the helpers trap if called.
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
+#define FUSED_LOSSES_BULK_COPY 1
+#else
+#define FUSED_LOSSES_BULK_COPY 0
+#endif
+
+// Host side: whether this build can launch copy-engine kernels on `device`.
+inline bool bulk_copy_supported(int device) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  static Remembered<int, bool> supported;
+  return supported.get(device, [&] {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9;
+  });
+#else
+  return false;
+#endif
+}
+
+// Clusters of `cluster_blocks` blocks of `kernel` that `device` holds at once (0: none).
+template <typename Kernel>
+int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int device, size_t dynamic_smem) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  static Remembered<std::tuple<const void*, int, int, int, size_t>, int64_t> clusters;
+  return clusters.get({reinterpret_cast<const void*>(kernel), cluster_blocks, threads, device, dynamic_smem}, [&] {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(cluster_blocks);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = dynamic_smem;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster_blocks;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int count = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, kernel, &config));
+    return int64_t(count);
+  });
+#else
+  return 0;
+#endif
+}
+
+// Launches kernel<<<blocks, threads, dynamic_smem, stream>>>(args...), in clusters of
+// `cluster_blocks` blocks (blocks a multiple of it) when that is more than 1.
+template <typename... KernelArgs, typename... Args>
+void launch_in_clusters(void (*kernel)(KernelArgs...), int64_t blocks, int threads, size_t dynamic_smem,
+                        int cluster_blocks, cudaStream_t stream, Args&&... args) {
+  if (cluster_blocks == 1) {
+    kernel<<<blocks, threads, dynamic_smem, stream>>>(std::forward<Args>(args)...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = dynamic_smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_blocks;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+#else
+  TORCH_CHECK(false, "internal error: a cluster launch in a build without clusters (CUDA < 12)");
+#endif
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Thread 0 initializes, then every thread of the block passes a __syncthreads() before
+// the barrier is used.
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
+#if FUSED_LOSSES_BULK_COPY
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned; 0 is allowed) from
+// global `src` to shared `dst` and arrives on `barrier` (initialized for one arrival),
+// whose phase completes when the bytes have landed. Before it, the caller has ordered
+// the block's earlier reads of `dst` (a __syncthreads()).
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
+#if FUSED_LOSSES_BULK_COPY
+  // The copy engine writes through the async proxy: order the generic proxy's reads first.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+  if (bytes > 0) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     shared_address(dst)),
+                 "l"(src), "r"(bytes), "r"(shared_address(barrier))
+                 : "memory");
+  }
+#else
+  __trap();
+#endif
+}
+
+// Waits until the barrier's phase of parity `phase` (0 for its first, then 1, 0, ...)
+// has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t phase) {
+#if FUSED_LOSSES_BULK_COPY
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred complete;\n mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, complete;\n}"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(phase)
+        : "memory");
+  }
+#else
+  __trap();
+#endif
+}
+
+// This block's place in its cluster, and the cluster's size (1 when launched without one).
+__device__ __forceinline__ int cluster_rank() {
+#if FUSED_LOSSES_BULK_COPY
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return static_cast<int>(rank);
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ int cluster_blocks() {
+#if FUSED_LOSSES_BULK_COPY
+  uint32_t blocks;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(blocks));
+  return static_cast<int>(blocks);
+#else
+  return 1;
+#endif
+}
+
+// This block's barrier: one arrival, which expects `bytes` more to land (st.async).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
+#if FUSED_LOSSES_BULK_COPY
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Writes `value` to the variable `*ptr` in the shared memory of the cluster's block
+// `rank`, and the bytes, once they land, complete that much of the transaction of that
+// block's `barrier` (the same variable there). No fence: unlike a release, it does not
+// wait for this thread's earlier stores to global memory.
+template <typename V>
+__device__ __forceinline__ void store_to_cluster_block(V* ptr, const V& value, uint64_t* barrier, int rank) {
+  static_assert(sizeof(V) % 8 == 0 && alignof(V) >= 8, "sent in 8-byte pieces");
+#if FUSED_LOSSES_BULK_COPY
+  uint32_t remote, remote_barrier;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(ptr)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_barrier) : "r"(shared_address(barrier)), "r"(rank));
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&value);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(V) / 4); i += 2) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+                     remote + 4 * i),
+                 "r"(words[i]), "r"(words[i + 1]), "r"(remote_barrier)
+                 : "memory");
+  }
+#else
+  __trap();
+#endif
+}
+
+// Every thread of every block of the cluster: what each wrote before (to any block's
+// shared memory) is visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+#if FUSED_LOSSES_BULK_COPY
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
 }
 
 // ---------------------------------------------------------------------------------

@@ -20,10 +20,13 @@
 // the gradient as it goes; backward only scales it by grad_output, and not at all when
 // that is 1), or b with inplace_backward, whose gradient overwrites the logits. A row of
 // up to cache_packs * kMaxThreads packs stays in registers between the passes, so it is
-// read from HBM once. A longer row is streamed; when its gradient is written, the first
-// pass keeps as much of its front in shared memory as one block can have (227 KB on an
-// H100: all of a 40000-class fp32 row, 90% of a 128256-class bf16 row), and the gradient
-// pass reads the rest again, what the first pass read last, mostly from L2.
+// read from HBM once. A longer row is streamed; when its gradient is written, on sm_90
+// (class-index targets, no label smoothing, 2- and 4-byte dtypes) the copy engine brings
+// it into shared memory, split among a cluster of blocks where it is longer than half a
+// block's (cross_entropy_pipelined_kernel): read once. Elsewhere the first pass keeps as
+// much of its front in shared memory as one block can have (227 KB on an H100: all of a
+// 40000-class fp32 row, 90% of a 128256-class bf16 row), and the gradient pass reads the
+// rest again, what the first pass read last, mostly from L2.
 // Probability targets add b per logit read (and b written for their gradient).
 
 #include "common.cuh"
@@ -79,17 +82,42 @@ struct CombineMaxSum {
   }
 };
 
+// The largest value of a pack (NaN loses, as in max_acc). 2-byte values pairwise in
+// their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and 4 instructions
+// for 8 values where converting each to float first took 16.
+template <typename T, int VEC, typename acc_t = at::opmath_type<T>>
+__device__ __forceinline__ acc_t pack_max(const Pack<T, VEC>& pack) {
+  if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
+    uint32_t pairs[VEC / 2];
+    memcpy(pairs, &pack, sizeof(pairs));
+    uint32_t m = pairs[0];
+#pragma unroll
+    for (int k = 1; k < VEC / 2; ++k) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        asm("max.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+      } else {
+        asm("max.f16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+      }
+    }
+    const T low(static_cast<uint16_t>(m & 0xffffu), T::from_bits());
+    const T high(static_cast<uint16_t>(m >> 16), T::from_bits());
+    return max_acc(static_cast<acc_t>(low), static_cast<acc_t>(high));
+  } else {
+    acc_t max = -infinity<acc_t>();
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) max = max_acc(max, static_cast<acc_t>(pack.val[k]));
+    return max;
+  }
+}
+
 template <typename T, int VEC, typename acc_t, typename sum_type>
 __device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_type> acc, const Pack<T, VEC>& pack) {
-  acc_t pack_max = -infinity<acc_t>();
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) pack_max = max_acc(pack_max, static_cast<acc_t>(pack.val[k]));
-  const acc_t max = max_acc(acc.max, pack_max);
+  const acc_t max = max_acc(acc.max, pack_max(pack));
   if (max == -infinity<acc_t>()) return acc;
   acc_t pack_sum = 0;
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) pack_sum += exp_for<T>(static_cast<acc_t>(pack.val[k]) - max);
-  return {max, acc.sum * exp_for<T>(acc.max - max) + pack_sum};
+  for (int k = 0; k < VEC; ++k) pack_sum += exp_minus<T>(static_cast<acc_t>(pack.val[k]), max);
+  return {max, acc.sum * exp_minus<T>(acc.max, max) + pack_sum};
 }
 
 // Sums over a row that label smoothing and probability targets need. Logits enter as
@@ -196,7 +224,8 @@ struct RowGradient {
   int64_t one_hot;  // -1 for none
 };
 
-template <typename T, int VEC, bool kProbs, bool kClassSums, typename acc_t>
+// kOneHot false: the caller corrects the one-hot class's element itself.
+template <typename T, int VEC, bool kProbs, bool kClassSums, bool kOneHot = true, typename acc_t>
 __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pack<T, VEC>& y, int64_t first_class,
                                                 const RowGradient<acc_t>& g, const acc_t* weight, T* grad_x,
                                                 T* grad_y) {
@@ -204,16 +233,16 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
   // The one-hot class's place in this pack (-1: not here), as a 32-bit index: compared per
   // element as first_class + k, the 64-bit class index cost four instructions a logit.
   const int64_t one_hot_in_pack = g.one_hot - first_class;
-  const int one_hot_k = one_hot_in_pack >= 0 && one_hot_in_pack < VEC ? static_cast<int>(one_hot_in_pack) : -1;
+  const int one_hot_k =
+      kOneHot && one_hot_in_pack >= 0 && one_hot_in_pack < VEC ? static_cast<int>(one_hot_in_pack) : -1;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    const acc_t shifted = static_cast<acc_t>(x.val[k]) - g.row_max;
-    acc_t d = exp_for<T>(shifted) * g.A_over_sum;
-    if (k == one_hot_k) d -= g.B;
+    acc_t d = exp_minus<T>(static_cast<acc_t>(x.val[k]), g.row_max) * g.A_over_sum;
+    if (kOneHot && k == one_hot_k) d -= g.B;
     if constexpr (kClassSums) {
       const acc_t w = class_weight(weight, first_class + k);
       d -= w * ((kProbs ? g.a * static_cast<acc_t>(y.val[k]) : acc_t(0)) + g.b);
-      if constexpr (kProbs) dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - shifted));
+      if constexpr (kProbs) dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - (static_cast<acc_t>(x.val[k]) - g.row_max)));
     }
     dx.val[k] = static_cast<T>(d);
   }
@@ -254,6 +283,8 @@ struct RowTarget {
   int64_t index;
   bool ignored;  // == ignore_index: contributes no loss and a zero gradient
   bool valid;    // in [0, C)
+
+  __device__ __forceinline__ bool counted() const { return !ignored && valid; }
 };
 
 // ---------------------------------------------------------------------------------
@@ -333,7 +364,119 @@ struct CrossEntropyParams {
   // row's front (at most all of them) the first pass keeps in dynamic shared memory, so
   // the gradient pass reads them from there rather than from L2 or HBM (0: none).
   int64_t stash_packs;
+  // cross_entropy_pipelined_kernel: rows (or a cluster's segments of rows, stash_packs
+  // packs each) in flight per block.
+  int stages;
 };
+
+// The scales of the ce and z terms' gradients for a scalar reduction: params.ce_scale,
+// or for 'mean' with class indices 1 / the divisors, which the block sums (or counts
+// itself, up to kRowsCountedPerBlock rows) before its first row.
+template <typename acc_t>
+struct GradientScales {
+  acc_t ce, z;
+};
+
+template <typename T, typename index_t, bool kProbs, typename acc_t = at::opmath_type<T>>
+__device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntropyParams<T>& params, bool want_grad,
+                                                                 sum_t* scratch) {
+  GradientScales<acc_t> scales{static_cast<acc_t>(params.ce_scale), static_cast<acc_t>(params.ce_scale)};
+  if constexpr (!kProbs) {
+    if (params.counted_divisors != nullptr) {
+      sum_t weight_sum, count;
+      count_targets(static_cast<const index_t*>(params.target), threadIdx.x, blockDim.x, params.rows,
+                    params.num_classes, params.ignore_index, params.weight, scratch, weight_sum, count);
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        params.counted_divisors[0] = weight_sum;
+        params.counted_divisors[1] = count;
+      }
+      scales = {static_cast<acc_t>(1.0 / weight_sum), static_cast<acc_t>(1.0 / count)};
+    }
+  }
+  if (params.divisors != nullptr && want_grad) {
+    sum_t weight_sum = 0, count = 0;
+    for (int64_t i = threadIdx.x; i < params.num_divisors; i += blockDim.x) {
+      weight_sum += params.divisors[i];
+      count += params.divisors[params.num_divisors + i];
+    }
+    scales.ce = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch));
+    scales.z = static_cast<acc_t>(1.0 / block_sum(count, scratch));
+  }
+  return scales;
+}
+
+template <typename index_t, bool kProbs, typename T>
+__device__ __forceinline__ RowTarget row_target(const CrossEntropyParams<T>& params, int64_t row) {
+  RowTarget t{-1, false, true};
+  if constexpr (!kProbs) {
+    t.index = static_cast<int64_t>(static_cast<const index_t*>(params.target)[row]);
+    t.ignored = t.index == params.ignore_index;
+    t.valid = t.index >= 0 && t.index < params.num_classes;
+  }
+  return t;
+}
+
+// A row after its reductions (row_max, sum = sum_c exp(x_c - row_max), the class sums
+// relative to row_max, and thread 0's target logit): thread 0 writes the row's loss and
+// lse where asked and adds its terms to the block's sums; with want_grad every thread
+// gets the gradient's coefficients.
+template <typename T, bool kProbs, bool kClassSums, bool kSumOnly, typename acc_t, typename exp_sum_t>
+__device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParams<T>& params, int64_t row,
+                                                         const RowTarget& t, acc_t row_max, exp_sum_t sum,
+                                                         const ClassSums<sum_t>& sums, acc_t target_logit,
+                                                         GradientScales<acc_t> scales, bool want_grad,
+                                                         sum_t& block_ce, sum_t& block_z) {
+  const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
+  const acc_t z_loss = static_cast<acc_t>(params.z_loss);
+  const acc_t class_share = smoothing / static_cast<acc_t>(params.num_classes);  // eps / C
+  const acc_t log_sum = log_acc(static_cast<acc_t>(sum));
+  const acc_t lse = row_max + log_sum;
+  // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
+  // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
+  // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
+  acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
+  if constexpr (kProbs) {
+    spread_weight = static_cast<acc_t>((1 - smoothing) * sums.targets + class_share * sums.weights);
+    spread_logits = static_cast<acc_t>((1 - smoothing) * sums.target_logits + class_share * sums.logits);
+  } else {
+    if (t.counted()) target_weight = (1 - smoothing) * class_weight(params.weight, t.index);
+    if constexpr (kClassSums) {
+      spread_weight = static_cast<acc_t>(class_share * sums.weights);
+      spread_logits = static_cast<acc_t>(class_share * sums.logits);
+    }
+  }
+
+  if (threadIdx.x == 0) {
+    acc_t ce = 0, z = 0;
+    if (!t.valid && !t.ignored) {
+      ce = quiet_nan<acc_t>();
+    } else if (!t.ignored) {
+      ce = spread_weight * log_sum - spread_logits;
+      if (!kProbs) ce += target_weight * ((row_max - target_logit) + log_sum);
+      z = z_loss * lse * lse;
+    }
+    if (!kSumOnly && params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
+    if (!kSumOnly && params.lse != nullptr) params.lse[row] = lse;
+    block_ce += ce;
+    block_z += z;
+  }
+
+  RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
+  if (want_grad) {
+    const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : scales.ce;
+    const acc_t sz = params.grad_output != nullptr ? s : scales.z;
+    if (!t.valid && !t.ignored) {
+      g.A_over_sum = g.B = quiet_nan<acc_t>();
+    } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it
+      g.B = target_weight * s;
+      g.a = (1 - smoothing) * s;
+      g.b = class_share * s;
+      g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * s + 2 * z_loss * lse * sz) / sum);
+      g.one_hot = kProbs ? -1 : t.index;
+    }
+  }
+  return g;
+}
 
 // Threads of a block that streams a row and stashes its front, one such block per
 // multiprocessor with all of its shared memory (two blocks of 256 with half each were
@@ -373,53 +516,22 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   Pack<T, VEC>* stash = reinterpret_cast<Pack<T, VEC>*>(dynamic_smem);
   // The k-th pack of the row this thread caches, when it is < the row's num_packs.
   auto cached_pack = [&](int k) { return threadIdx.x + int64_t(k) * blockDim.x; };
-  const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
-  const acc_t z_loss = static_cast<acc_t>(params.z_loss);
-  const acc_t class_share = smoothing / static_cast<acc_t>(num_classes);  // eps / C
   // Constant false in kSumOnly: the gradient pass below compiles out.
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
-  acc_t ce_scale = static_cast<acc_t>(params.ce_scale), z_scale = ce_scale;
-  if constexpr (!kProbs) {
-    if (params.counted_divisors != nullptr) {
-      sum_t weight_sum, count;
-      count_targets(static_cast<const index_t*>(params.target), threadIdx.x, blockDim.x, params.rows, num_classes,
-                    params.ignore_index, params.weight, scratch_sum, weight_sum, count);
-      if (blockIdx.x == 0 && threadIdx.x == 0) {
-        params.counted_divisors[0] = weight_sum;
-        params.counted_divisors[1] = count;
-      }
-      ce_scale = static_cast<acc_t>(1.0 / weight_sum);
-      z_scale = static_cast<acc_t>(1.0 / count);
-    }
-  }
-  if (params.divisors != nullptr && want_grad) {
-    sum_t weight_sum = 0, count = 0;
-    for (int64_t i = threadIdx.x; i < params.num_divisors; i += blockDim.x) {
-      weight_sum += params.divisors[i];
-      count += params.divisors[params.num_divisors + i];
-    }
-    ce_scale = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch_sum));
-    z_scale = static_cast<acc_t>(1.0 / block_sum(count, scratch_sum));
-  }
+  const GradientScales<acc_t> scales = gradient_scales<T, index_t, kProbs>(params, want_grad, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
 
   for (int64_t row = blockIdx.x; row < params.rows; row += gridDim.x) {
     const T* x = params.logits + row * num_classes;
     const T* y = kProbs ? static_cast<const T*>(params.target) + row * num_classes : nullptr;
-    RowTarget t{-1, false, true};
-    if constexpr (!kProbs) {
-      t.index = static_cast<int64_t>(static_cast<const index_t*>(params.target)[row]);
-      t.ignored = t.index == params.ignore_index;
-      t.valid = t.index >= 0 && t.index < num_classes;
-    }
-    const bool counted = !t.ignored && t.valid;
+    const RowTarget t = row_target<index_t, kProbs>(params, row);
     // The target's logit, for thread 0's loss. Read after the row's loads are issued (its
     // address waits for the target index), and before the first barrier, after which
     // threads may overwrite the row with its gradient (inplace_backward).
     acc_t target_logit = 0;
     auto read_target_logit = [&] {
-      if (!kProbs && counted && threadIdx.x == 0) target_logit = static_cast<acc_t>(x[t.index]);
+      if (!kProbs && t.counted() && threadIdx.x == 0) target_logit = static_cast<acc_t>(x[t.index]);
     };
     // The reference of the class sums for a row read in one pass; 0 when x[0] is -inf
     // (a masked class), which would make every x - ref infinite.
@@ -470,7 +582,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
       exp_sum_t thread_sum = 0;
       if (has_edge) {
         const Pack<T, 1> edge_x = edge(x);
-        thread_sum = exp_for<T>(static_cast<acc_t>(edge_x.val[0]) - row_max);
+        thread_sum = exp_minus<T>(static_cast<acc_t>(edge_x.val[0]), row_max);
         if constexpr (kClassSums) {
           sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(threadIdx.x),
                                            params.weight, row_max));
@@ -482,7 +594,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
         if (p < num_packs) {
           acc_t pack_sum = 0;
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) pack_sum += exp_for<T>(static_cast<acc_t>(cache[k].val[j]) - row_max);
+          for (int j = 0; j < VEC; ++j) pack_sum += exp_minus<T>(static_cast<acc_t>(cache[k].val[j]), row_max);
           thread_sum += pack_sum;
           if constexpr (kClassSums) {
             sums.add(pack_class_sums<kProbs>(cache[k], target_cache[kProbs ? k : 0], first_class(p), params.weight,
@@ -519,51 +631,10 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
       sums = block_allreduce(sums, SumOp<ClassSums<sum_t>>(), ClassSums<sum_t>{}, scratch_sums)
                  .relative_to(row_in_registers ? row_max : first_logit, row_max);
     }
-    const acc_t log_sum = log_acc(static_cast<acc_t>(sum));
-    const acc_t lse = row_max + log_sum;
-    // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
-    // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
-    // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
-    acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
-    if constexpr (kProbs) {
-      spread_weight = static_cast<acc_t>((1 - smoothing) * sums.targets + class_share * sums.weights);
-      spread_logits = static_cast<acc_t>((1 - smoothing) * sums.target_logits + class_share * sums.logits);
-    } else {
-      if (counted) target_weight = (1 - smoothing) * class_weight(params.weight, t.index);
-      if constexpr (kClassSums) {
-        spread_weight = static_cast<acc_t>(class_share * sums.weights);
-        spread_logits = static_cast<acc_t>(class_share * sums.logits);
-      }
-    }
-
-    if (threadIdx.x == 0) {
-      acc_t ce = 0, z = 0;
-      if (!t.valid && !t.ignored) {
-        ce = quiet_nan<acc_t>();
-      } else if (!t.ignored) {
-        ce = spread_weight * log_sum - spread_logits;
-        if (!kProbs) ce += target_weight * ((row_max - target_logit) + log_sum);
-        z = z_loss * lse * lse;
-      }
-      if (!kSumOnly && params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
-      if (!kSumOnly && params.lse != nullptr) params.lse[row] = lse;
-      block_ce += ce;
-      block_z += z;
-    }
-
+    const RowGradient<acc_t> g =
+        finish_row<T, kProbs, kClassSums, kSumOnly>(params, row, t, row_max, sum, sums, target_logit, scales,
+                                                    want_grad, block_ce, block_z);
     if (want_grad) {
-      const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : ce_scale;
-      const acc_t sz = params.grad_output != nullptr ? s : z_scale;
-      RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
-      if (!t.valid && !t.ignored) {
-        g.A_over_sum = g.B = quiet_nan<acc_t>();
-      } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it
-        g.B = target_weight * s;
-        g.a = (1 - smoothing) * s;
-        g.b = class_share * s;
-        g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * s + 2 * z_loss * lse * sz) / sum);
-        g.one_hot = kProbs ? -1 : t.index;
-      }
       T* gx = params.grad_logits != nullptr ? params.grad_logits + row * num_classes : nullptr;
       T* gy = params.grad_target != nullptr ? params.grad_target + row * num_classes : nullptr;
       if constexpr (row_in_registers) {
@@ -611,6 +682,169 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
       count_block_targets(static_cast<const index_t*>(params.target), params.rows, num_classes, params.ignore_index,
                           params.weight, scratch_sum, params.divisors_after_rows);
     }
+  }
+  finish_if_last_block(params.finish, scratch_sum);
+}
+
+// sm_90 (bulk_copy_supported): the gradient of rows too long for registers, class-index targets
+// without label smoothing. Rows come into shared memory by the copy engine, `stages`
+// deep: while a block works on one row, the next rows' bytes are already on their way
+// into its other stages, so the reads wait neither for its reductions nor for its
+// gradient pass (the streamed kernel's reads stop for both). A row longer than a stage
+// is split among a cluster of blocks on neighbouring multiprocessors, one segment of
+// params.stash_packs packs each: each reduces its segment and sends the result to every
+// block of the cluster (st.async, completing a barrier there: a cluster-wide barrier's
+// release would wait for the block's gradient stores to drain, every row), and each
+// writes its segment's gradient. Every row is read from HBM once.
+// 512 threads: 1024 were slower (128256-class bf16 rows in clusters of 4: 1.57 -> 1.81 ms),
+// as were 256 and 768.
+constexpr int kPipelineThreads = 512;
+constexpr int kMaxPipelineStages = 2;
+constexpr int kMaxClusterBlocks = 8;  // the portable cluster size
+
+// A segment's part of its row: its max and sum of exp(x - max), and the target's logit
+// where the segment holds it (0 elsewhere, so the parts' sum is the target's logit).
+template <typename acc_t, typename sum_type>
+struct alignas(8) RowPart {
+  MaxSum<acc_t, sum_type> max_sum;
+  acc_t target_logit;
+};
+
+template <typename T, typename index_t, int VEC, bool kEdges>
+__global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kernel(CrossEntropyParams<T> params) {
+  using acc_t = at::opmath_type<T>;
+  using Pair = MaxSum<acc_t, exp_sum_type<T>>;
+  using Part = RowPart<acc_t, exp_sum_type<T>>;
+  __shared__ Pair scratch_pair[32];
+  __shared__ sum_t scratch_sum[32];
+  __shared__ acc_t target_logit_here;
+  // Every block's part of the row, as the blocks send them; two rows' worth, so a block
+  // that starts its next row cannot overwrite one that a slower block is still reading
+  // (it can get no further: that row needs the slower block's part).
+  __shared__ Part parts[2][kMaxClusterBlocks];
+  __shared__ uint64_t parts_full[2];
+  __shared__ uint64_t stage_full[kMaxPipelineStages];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  const Pack<T, VEC>* stage_packs = reinterpret_cast<const Pack<T, VEC>*>(dynamic_smem);
+  const int64_t num_classes = params.num_classes;
+  const int64_t segment_packs = params.stash_packs;
+  const int stages = params.stages;
+  const int rank = cluster_rank(), blocks = cluster_blocks();
+  // The cluster's k-th row: every block of a cluster walks the same rows.
+  auto row_of = [&](int64_t k) { return int64_t(blockIdx.x / blocks) + k * int64_t(gridDim.x / blocks); };
+  auto segment_begin = [&](const RowEdges<T, VEC, kEdges>& edges) {
+    return std::min<int64_t>(edges.num_packs, rank * segment_packs);
+  };
+  auto segment_end = [&](const RowEdges<T, VEC, kEdges>& edges) {
+    return std::min<int64_t>(edges.num_packs, (rank + 1) * segment_packs);
+  };
+  // Thread 0: the k-th row's segment into stage k % stages.
+  auto fill_stage = [&](int64_t k) {
+    const int64_t row = row_of(k);
+    if (row >= params.rows) return;
+    const T* x = params.logits + row * num_classes;
+    const RowEdges<T, VEC, kEdges> edges(x, num_classes);
+    const int64_t begin = segment_begin(edges);
+    const int stage = static_cast<int>(k % stages);
+    bulk_copy_to_shared(const_cast<Pack<T, VEC>*>(stage_packs + stage * segment_packs), x + edges.head + begin * VEC,
+                        static_cast<uint32_t>((segment_end(edges) - begin) * sizeof(Pack<T, VEC>)), &stage_full[stage]);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&stage_full[s], 1);
+    for (int s = 0; s < 2; ++s) mbarrier_init(&parts_full[s], 1);
+  }
+  __syncthreads();
+  if (blocks > 1) cluster_sync();  // every block's barriers are ready before parts arrive
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) fill_stage(s);
+  }
+  const GradientScales<acc_t> scales = gradient_scales<T, index_t, false>(params, true, scratch_sum);
+  sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
+
+  for (int64_t k = 0; row_of(k) < params.rows; ++k) {
+    const int64_t row = row_of(k);
+    const T* x = params.logits + row * num_classes;
+    const RowTarget t = row_target<index_t, false>(params, row);
+    const RowEdges<T, VEC, kEdges> edges(x, num_classes);
+    const int64_t begin = segment_begin(edges), packs = segment_end(edges) - begin;
+    // The row's edge elements are rank 0's, read from memory (no other block writes them).
+    const bool has_edge = rank == 0 && edges.has(threadIdx.x);
+    auto edge = [&] {
+      Pack<T, 1> pack;
+      pack.val[0] = x[edges.class_of(threadIdx.x)];
+      return pack;
+    };
+    Pair acc{-infinity<acc_t>(), 0};
+    if (has_edge) acc = add_pack(acc, edge());
+    const int stage = static_cast<int>(k % stages);
+    const Pack<T, VEC>* segment = stage_packs + stage * segment_packs;
+    mbarrier_wait(&stage_full[stage], static_cast<uint32_t>(k / stages) & 1u);
+    // The target's logit where this block holds it: from its stage, or an edge (rank 0).
+    // Not from memory in a pack of another block's segment: that block may already be
+    // writing its gradient there (inplace_backward).
+    if (threadIdx.x == 0) {
+      acc_t logit = 0;
+      const int64_t in_packs = t.index - edges.head;
+      if (t.counted() && (in_packs < 0 || in_packs >= edges.num_packs * VEC)) {
+        if (rank == 0) logit = static_cast<acc_t>(x[t.index]);
+      } else if (t.counted() && in_packs / VEC >= begin && in_packs / VEC < begin + packs) {
+        logit = static_cast<acc_t>(segment[in_packs / VEC - begin].val[in_packs % VEC]);
+      }
+      target_logit_here = logit;  // read by all after the block's reduction
+    }
+    for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
+      acc = add_pack(acc, load_pack<T, VEC>(segment[p].val));
+    }
+    acc = block_allreduce(acc, CombineMaxSum(), Pair{-infinity<acc_t>(), 0}, scratch_pair);
+    acc_t target_logit = target_logit_here;
+    if (blocks > 1) {
+      const int slot = static_cast<int>(k & 1);
+      if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&parts_full[slot], blocks * sizeof(Part));
+      if (threadIdx.x < blocks) {
+        store_to_cluster_block(&parts[slot][rank], Part{acc, target_logit}, &parts_full[slot], threadIdx.x);
+      }
+      mbarrier_wait(&parts_full[slot], static_cast<uint32_t>(k >> 1) & 1u);
+      // Combined in rank order by every block: each computes the same bits.
+      acc = parts[slot][0].max_sum;
+      target_logit = parts[slot][0].target_logit;
+      for (int b = 1; b < blocks; ++b) {
+        acc = combine(acc, parts[slot][b].max_sum);
+        target_logit += parts[slot][b].target_logit;
+      }
+    }
+    const RowGradient<acc_t> g = finish_row<T, false, false, false>(
+        params, row, t, acc.max, acc.sum, ClassSums<sum_t>{}, target_logit, scales, true, block_ce, block_z);
+
+    // The packs without the one-hot term, then the target's element again with it, by
+    // the thread that wrote its pack (its second store lands after its first).
+    T* gx = params.grad_logits + row * num_classes;
+    T* gx_segment = gx + edges.head + begin * VEC;
+    const Pack<T, 1> no_target{};
+    for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
+      store_grad_pack<T, VEC, false, false, false>(load_pack<T, VEC>(segment[p].val), Pack<T, VEC>{}, p * VEC, g,
+                                                   params.weight, gx_segment, nullptr);
+    }
+    const int64_t target_in_segment = t.index - edges.head - begin * VEC;
+    if (t.counted() && target_in_segment >= 0 && target_in_segment < packs * VEC &&
+        (target_in_segment / VEC) % blockDim.x == threadIdx.x) {
+      Pack<T, 1> target_x;
+      target_x.val[0] = segment[target_in_segment / VEC].val[target_in_segment % VEC];
+      store_grad_pack<T, 1, false, false>(target_x, no_target, t.index, g, params.weight, gx, nullptr);
+    }
+    if (has_edge) {
+      store_grad_pack<T, 1, false, false>(edge(), no_target, edges.class_of(threadIdx.x), g, params.weight, gx,
+                                          nullptr);
+    }
+    __syncthreads();  // every thread is done with the stage: the copy engine may refill it
+    if (threadIdx.x == 0) fill_stage(k + stages);
+  }
+  // No block leaves while a part it sent may still be landing in another's memory.
+  if (blocks > 1) cluster_sync();
+  if (params.finish.partials == nullptr) return;
+  if (threadIdx.x == 0) {
+    // Every block of a cluster computed each row's loss: rank 0's counts.
+    params.finish.partials[blockIdx.x] = rank == 0 ? block_ce : 0;
+    params.finish.partials[gridDim.x + blockIdx.x] = rank == 0 ? block_z : 0;
   }
   finish_if_last_block(params.finish, scratch_sum);
 }
@@ -716,8 +950,10 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
 struct RowLaunch {
   int threads;
   int64_t blocks;
-  size_t dynamic_smem;  // bytes: the stash
+  size_t dynamic_smem;  // bytes: the stash, or the pipelined kernel's stages
   int64_t stash_packs;
+  int cluster_blocks = 1;
+  int stages = 0;
 };
 
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
@@ -760,6 +996,36 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
   return {threads, grid_for(kernel, rows * threads, threads, device, smem), smem, stash_packs};
 }
 
+// The pipelined kernel's launch (sm_90), or blocks == 0 where it does not fit: two
+// stages per block, in the fewest blocks per cluster whose segments of a row fit twice
+// in one block's shared memory (so, for the long rows, one block per multiprocessor).
+// Measured on an H100 (notes, v21), 8192 rows of bf16: 50257 classes one block, 128256
+// four; more stages, or more and smaller blocks per row (clusters of 2 for 50257, of 8
+// for 128256), were 2-60% slower.
+template <typename Kernel>
+RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
+  constexpr int stages = 2, threads = kPipelineThreads;
+  const size_t budget = max_dynamic_smem(kernel, device);
+  for (int cluster_blocks = 1; cluster_blocks <= kMaxClusterBlocks; cluster_blocks *= 2) {
+    const int64_t segment_packs = (num_packs + cluster_blocks - 1) / cluster_blocks;
+    const size_t smem = size_t(stages) * segment_packs * pack_bytes;
+    if (smem > budget) continue;
+    int64_t resident_clusters = 0;
+    if (cluster_blocks == 1) {
+      resident_clusters = int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads, device, smem);
+    } else {
+      resident_clusters = resident_clusters_of(kernel, cluster_blocks, threads, device, smem);
+    }
+    if (resident_clusters == 0) continue;
+    const int64_t clusters = std::min(resident_clusters, rows);
+    RowLaunch launch{threads, clusters * cluster_blocks, smem, segment_packs};
+    launch.cluster_blocks = cluster_blocks;
+    launch.stages = stages;
+    return launch;
+  }
+  return {0, 0, 0, 0};
+}
+
 // What a launch writes; undefined tensors are not written. `loss` is a scalar
 // reduction's (0-dim), `loss_per_row` reduction 'none''s.
 struct CrossEntropyOutputs {
@@ -793,6 +1059,20 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using no = std::false_type;
     auto kernel = streamed ? (sum_only ? kernel_for(yes{}, yes{}) : kernel_for(yes{}, no{}))
                            : (sum_only ? kernel_for(no{}, yes{}) : kernel_for(no{}, no{}));
+    const bool want_grad = out.grad_logits.defined() || out.grad_target.defined();
+    // Long rows' gradients on sm_90: the pipelined kernel, where its stages fit.
+    RowLaunch launch{0, 0, 0, 0};
+    if constexpr (!Cfg::probs && !Cfg::class_sums && sizeof(T) <= 4) {
+      if (streamed && want_grad && bulk_copy_supported(device)) {
+        auto pipelined = cross_entropy_pipelined_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>;
+        launch = pipelined_launch(pipelined, rows, num_packs, sizeof(Pack<T, Cfg::vec>), device);
+        if (launch.blocks > 0) kernel = pipelined;
+      }
+    }
+    if (launch.blocks == 0) {
+      launch = row_launch(kernel, streamed, rows, num_packs, cache_packs<Cfg::probs>(), sizeof(Pack<T, Cfg::vec>),
+                          want_grad, stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
+    }
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
     params.target = in.target.data_ptr();
@@ -808,14 +1088,11 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     params.lse = data_or_null<acc_t>(out.lse);
     params.grad_logits = data_or_null<T>(out.grad_logits);
     params.grad_target = data_or_null<T>(out.grad_target);
-    const bool want_grad = params.grad_logits != nullptr || params.grad_target != nullptr;
-    const RowLaunch launch = row_launch(kernel, streamed, rows, num_packs, cache_packs<Cfg::probs>(),
-                                        sizeof(Pack<T, Cfg::vec>), want_grad,
-                                        stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
     params.stash_packs = launch.stash_packs;
+    params.stages = launch.stages;
     auto launch_kernel = [&] {
-      kernel<<<launch.blocks, launch.threads, launch.dynamic_smem, stream>>>(params);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_in_clusters(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks, stream,
+                         params);
     };
     if (!scalar_loss) {
       launch_kernel();

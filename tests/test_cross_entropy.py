@@ -187,6 +187,37 @@ def test_many_streamed_rows_per_block(case, dtype, label_smoothing):
                           [logits, class_targets(logits)], case=case)
 
 
+# Class indices where a row is split: its first and last elements (edge elements, read
+# one per thread, when rows start off 16 bytes) and around each 1/2, 1/4 and 1/8 of it,
+# where sm_90's pipelined kernel splits a long row among a cluster of blocks (each reads
+# the target's logit only from its own part, and one thread adds the one-hot term).
+def targets_where_rows_split(logits):
+    rows, num_classes = logits.shape
+    places = {0, 1, 2, 7, 8, 9, num_classes - 1, num_classes - 2, num_classes - 8, num_classes - 9}
+    for parts in (2, 4, 8):
+        for j in range(1, parts):
+            places.update(range(j * num_classes // parts - 9, j * num_classes // parts + 10))
+    places = sorted(c for c in places if 0 <= c < num_classes)
+    return torch.tensor([places[i % len(places)] for i in range(rows)], device=logits.device)
+
+
+SPLIT_ROWS = {
+    "many rows of odd C = 50257": many_streamed_rows(50257),
+    "many rows of C = 128256": many_streamed_rows(128256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True], ids=["", "inplace_backward"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SPLIT_ROWS))
+def test_targets_where_rows_are_split(case, dtype, inplace):
+    logits = SPLIT_ROWS[case](dtype)
+    # x * 1: inplace_backward overwrites a non-leaf, as a model's output, not the input itself.
+    check_against_float64(lambda x, t: losses.cross_entropy(x * 1, t, inplace_backward=inplace),
+                          lambda x, t: reference(x, t), [logits, targets_where_rows_split(logits)], case=case)
+
+
 @pytest.mark.gpu
 def test_ignore_index_inside_the_class_range():
     logits = SHAPES["7x1000"](torch.float32)
