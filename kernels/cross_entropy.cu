@@ -1001,7 +1001,11 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
 // in one block's shared memory (so, for the long rows, one block per multiprocessor).
 // Measured on an H100 (notes, v21), 8192 rows of bf16: 50257 classes one block, 128256
 // four; more stages, or more and smaller blocks per row (clusters of 2 for 50257, of 8
-// for 128256), were 2-60% slower.
+// for 128256), were 2-60% slower. A cluster's blocks share a GPC, and GPCs hold
+// different numbers of multiprocessors from one GPU to the next: two H100s here held 30
+// clusters of 4 (120 of 132 multiprocessors) and ran 128256-class rows in 1.62 ms; an
+// earlier one (its count not recorded) in 1.52. Clusters of 3 filled no more there (39)
+// and ran slower (1.72 ms).
 template <typename Kernel>
 RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
   constexpr int stages = 2, threads = kPipelineThreads;

@@ -3,8 +3,9 @@
 Each loss x float32/float16/bfloat16 x reduction, forward without grad, and forward +
 backward with grad (backward from 2.5, so the in-place scale runs too), on odd shapes:
 a vector body with a scalar tail, one element, a misaligned view, and for
-cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001), with weight, label
-smoothing, z-loss, probability targets and inplace_backward.
+cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001, and 40001 in more
+rows than the grid has blocks), with weight, label smoothing, z-loss, probability targets and
+inplace_backward.
 """
 import os
 import sys
@@ -39,6 +40,10 @@ def logits_shapes(dtype):
     yield torch.randn(9, 5, device="cuda", dtype=dtype)  # C = 5: many rows per block's worth
     yield torch.randn(3, 40000, device="cuda", dtype=dtype)  # beyond the register cache: streamed, stashed
     yield torch.randn(2, 150001, device="cuda", dtype=dtype)  # odd, and too long to stash whole: a tail read twice
+    # More rows than blocks: each block (sm_90: each cluster) takes several, its shared
+    # memory refilled row after row.
+    rows = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    yield torch.randn(rows, 40001, device="cuda", dtype=dtype)
 
 
 def run(loss_fn, inputs, grad_of):
