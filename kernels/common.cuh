@@ -338,25 +338,39 @@ inline bool bulk_copy_supported(int device) {
 #endif
 }
 
-// Clusters of `cluster_blocks` blocks of `kernel` that `device` holds at once (0: none).
-template <typename Kernel>
-int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int device, size_t dynamic_smem) {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-  static Remembered<std::tuple<const void*, int, int, int, size_t>, int64_t> clusters;
-  return clusters.get({reinterpret_cast<const void*>(kernel), cluster_blocks, threads, device, dynamic_smem}, [&] {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(cluster_blocks);
+// A launch of `blocks` blocks (a multiple of `cluster_blocks`) in clusters of
+// `cluster_blocks`. `config` points at `attribute`: not copyable.
+struct ClusterLaunchConfig {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute = {};
+
+  ClusterLaunchConfig(int64_t blocks, int cluster_blocks, int threads, size_t dynamic_smem, cudaStream_t stream) {
+    config.gridDim = dim3(static_cast<unsigned>(blocks));
     config.blockDim = dim3(threads);
     config.dynamicSmemBytes = dynamic_smem;
-    cudaLaunchAttribute attribute;
+    config.stream = stream;
     attribute.id = cudaLaunchAttributeClusterDimension;
     attribute.val.clusterDim.x = cluster_blocks;
     attribute.val.clusterDim.y = 1;
     attribute.val.clusterDim.z = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
+  }
+  ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;
+  ClusterLaunchConfig& operator=(const ClusterLaunchConfig&) = delete;
+};
+#endif
+
+// Clusters of `cluster_blocks` blocks of `kernel` that `device` holds at once (0: none).
+template <typename Kernel>
+int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int device, size_t dynamic_smem) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  static Remembered<std::tuple<const void*, int, int, int, size_t>, int64_t> clusters;
+  return clusters.get({reinterpret_cast<const void*>(kernel), cluster_blocks, threads, device, dynamic_smem}, [&] {
+    const ClusterLaunchConfig launch(cluster_blocks, cluster_blocks, threads, dynamic_smem, nullptr);
     int count = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, kernel, &config));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, kernel, &launch.config));
     return int64_t(count);
   });
 #else
@@ -375,19 +389,8 @@ void launch_in_clusters(void (*kernel)(KernelArgs...), int64_t blocks, int threa
     return;
   }
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = dynamic_smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster_blocks;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  const ClusterLaunchConfig launch(blocks, cluster_blocks, threads, dynamic_smem, stream);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...));
 #else
   TORCH_CHECK(false, "internal error: a cluster launch in a build without clusters (CUDA < 12)");
 #endif
@@ -408,6 +411,16 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arriva
 #endif
 }
 
+// This block's barrier: one arrival, which expects `bytes` more to land (st.async).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
+#if FUSED_LOSSES_BULK_COPY
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned; 0 is allowed) from
 // global `src` to shared `dst` and arrives on `barrier` (initialized for one arrival),
 // whose phase completes when the bytes have landed. Before it, the caller has ordered
@@ -416,8 +429,7 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
 #if FUSED_LOSSES_BULK_COPY
   // The copy engine writes through the async proxy: order the generic proxy's reads first.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
-               : "memory");
+  mbarrier_arrive_expect_tx(barrier, bytes);
   if (bytes > 0) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                      shared_address(dst)),
@@ -447,34 +459,19 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t phase)
 #endif
 }
 
-// This block's place in its cluster, and the cluster's size (1 when launched without one).
-__device__ __forceinline__ int cluster_rank() {
-#if FUSED_LOSSES_BULK_COPY
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return static_cast<int>(rank);
-#else
-  return 0;
-#endif
-}
+// This block's place in its cluster, and the cluster's size (0 of 1 when launched
+// without one).
+struct ClusterPlace {
+  int rank, blocks;
+};
 
-__device__ __forceinline__ int cluster_blocks() {
+__device__ __forceinline__ ClusterPlace cluster_place() {
 #if FUSED_LOSSES_BULK_COPY
-  uint32_t blocks;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(blocks));
-  return static_cast<int>(blocks);
+  uint32_t rank, blocks;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\nmov.u32 %1, %%cluster_nctarank;" : "=r"(rank), "=r"(blocks));
+  return {static_cast<int>(rank), static_cast<int>(blocks)};
 #else
-  return 1;
-#endif
-}
-
-// This block's barrier: one arrival, which expects `bytes` more to land (st.async).
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
-#if FUSED_LOSSES_BULK_COPY
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
-               : "memory");
-#else
-  __trap();
+  return {0, 1};
 #endif
 }
 

@@ -729,7 +729,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   const int64_t num_classes = params.num_classes;
   const int64_t segment_packs = params.stash_packs;
   const int stages = params.stages;
-  const int rank = cluster_rank(), blocks = cluster_blocks();
+  const ClusterPlace place = cluster_place();
+  const int rank = place.rank, blocks = place.blocks;
   // The cluster's k-th row: every block of a cluster walks the same rows.
   auto row_of = [&](int64_t k) { return int64_t(blockIdx.x / blocks) + k * int64_t(gridDim.x / blocks); };
   auto segment_begin = [&](const RowEdges<T, VEC, kEdges>& edges) {
