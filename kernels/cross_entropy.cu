@@ -242,7 +242,9 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
     if constexpr (kClassSums) {
       const acc_t w = class_weight(weight, first_class + k);
       d -= w * ((kProbs ? g.a * static_cast<acc_t>(y.val[k]) : acc_t(0)) + g.b);
-      if constexpr (kProbs) dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - (static_cast<acc_t>(x.val[k]) - g.row_max)));
+      if constexpr (kProbs) {
+        dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - (static_cast<acc_t>(x.val[k]) - g.row_max)));
+      }
     }
     dx.val[k] = static_cast<T>(d);
   }
@@ -277,6 +279,12 @@ struct RowEdges {
   }
   __device__ __forceinline__ bool has(int i) const { return kEdges && i < num_edges; }
   __device__ __forceinline__ int64_t class_of(int i) const { return i < head ? i : i + num_packs * VEC; }
+  // Edge element i of `row` (the logits, or a tensor of the row's shape at their offset).
+  __device__ __forceinline__ Pack<T, 1> element(const T* row, int i) const {
+    Pack<T, 1> pack;
+    pack.val[0] = row[class_of(i)];
+    return pack;
+  }
 };
 
 struct RowTarget {
@@ -364,9 +372,6 @@ struct CrossEntropyParams {
   // row's front (at most all of them) the first pass keeps in dynamic shared memory, so
   // the gradient pass reads them from there rather than from L2 or HBM (0: none).
   int64_t stash_packs;
-  // cross_entropy_pipelined_kernel: rows (or a cluster's segments of rows, stash_packs
-  // packs each) in flight per block.
-  int stages;
 };
 
 // The scales of the ce and z terms' gradients for a scalar reduction: params.ce_scale,
@@ -549,11 +554,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
     const bool has_edge = edges.has(threadIdx.x);
     // This thread's edge element (its logit, and its target probability), read when used
     // rather than held in registers through the row: the register path has none to spare.
-    auto edge = [&](const T* row) {
-      Pack<T, 1> pack;
-      pack.val[0] = row[edges.class_of(threadIdx.x)];
-      return pack;
-    };
+    auto edge = [&](const T* row) { return edges.element(row, threadIdx.x); };
 
     Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
     acc_t row_max;
@@ -687,8 +688,8 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
 }
 
 // sm_90 (bulk_copy_supported): the gradient of rows too long for registers, class-index targets
-// without label smoothing. Rows come into shared memory by the copy engine, `stages`
-// deep: while a block works on one row, the next rows' bytes are already on their way
+// without label smoothing. Rows come into shared memory by the copy engine,
+// kPipelineStages deep: while a block works on one row, the next rows' bytes are already on their way
 // into its other stages, so the reads wait neither for its reductions nor for its
 // gradient pass (the streamed kernel's reads stop for both). A row longer than a stage
 // is split among a cluster of blocks on neighbouring multiprocessors, one segment of
@@ -699,7 +700,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
 // 512 threads: 1024 were slower (128256-class bf16 rows in clusters of 4: 1.57 -> 1.81 ms),
 // as were 256 and 768.
 constexpr int kPipelineThreads = 512;
-constexpr int kMaxPipelineStages = 2;
+constexpr int kPipelineStages = 2;
 constexpr int kMaxClusterBlocks = 8;  // the portable cluster size
 
 // A segment's part of its row: its max and sum of exp(x - max), and the target's logit
@@ -723,12 +724,12 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   // (it can get no further: that row needs the slower block's part).
   __shared__ Part parts[2][kMaxClusterBlocks];
   __shared__ uint64_t parts_full[2];
-  __shared__ uint64_t stage_full[kMaxPipelineStages];
+  __shared__ uint64_t stage_full[kPipelineStages];
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   const Pack<T, VEC>* stage_packs = reinterpret_cast<const Pack<T, VEC>*>(dynamic_smem);
   const int64_t num_classes = params.num_classes;
   const int64_t segment_packs = params.stash_packs;
-  const int stages = params.stages;
+  constexpr int stages = kPipelineStages;
   const ClusterPlace place = cluster_place();
   const int rank = place.rank, blocks = place.blocks;
   // The cluster's k-th row: every block of a cluster walks the same rows.
@@ -770,13 +771,13 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
     const int64_t begin = segment_begin(edges), packs = segment_end(edges) - begin;
     // The row's edge elements are rank 0's, read from memory (no other block writes them).
     const bool has_edge = rank == 0 && edges.has(threadIdx.x);
-    auto edge = [&] {
-      Pack<T, 1> pack;
-      pack.val[0] = x[edges.class_of(threadIdx.x)];
-      return pack;
-    };
+    // Where the target lies: an edge element (rank 0's), or this block's segment.
+    const int64_t target_in_segment = t.index - edges.head - begin * VEC;
+    const bool target_on_edge = t.counted() && (t.index < edges.head || t.index >= edges.head + edges.num_packs * VEC);
+    const bool target_here =
+        t.counted() && !target_on_edge && target_in_segment >= 0 && target_in_segment < packs * VEC;
     Pair acc{-infinity<acc_t>(), 0};
-    if (has_edge) acc = add_pack(acc, edge());
+    if (has_edge) acc = add_pack(acc, edges.element(x, threadIdx.x));
     const int stage = static_cast<int>(k % stages);
     const Pack<T, VEC>* segment = stage_packs + stage * segment_packs;
     mbarrier_wait(&stage_full[stage], static_cast<uint32_t>(k / stages) & 1u);
@@ -785,12 +786,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
     // writing its gradient there (inplace_backward).
     if (threadIdx.x == 0) {
       acc_t logit = 0;
-      const int64_t in_packs = t.index - edges.head;
-      if (t.counted() && (in_packs < 0 || in_packs >= edges.num_packs * VEC)) {
-        if (rank == 0) logit = static_cast<acc_t>(x[t.index]);
-      } else if (t.counted() && in_packs / VEC >= begin && in_packs / VEC < begin + packs) {
-        logit = static_cast<acc_t>(segment[in_packs / VEC - begin].val[in_packs % VEC]);
-      }
+      if (target_on_edge && rank == 0) logit = static_cast<acc_t>(x[t.index]);
+      if (target_here) logit = static_cast<acc_t>(segment[target_in_segment / VEC].val[target_in_segment % VEC]);
       target_logit_here = logit;  // read by all after the block's reduction
     }
     for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
@@ -825,16 +822,14 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
       store_grad_pack<T, VEC, false, false, false>(load_pack<T, VEC>(segment[p].val), Pack<T, VEC>{}, p * VEC, g,
                                                    params.weight, gx_segment, nullptr);
     }
-    const int64_t target_in_segment = t.index - edges.head - begin * VEC;
-    if (t.counted() && target_in_segment >= 0 && target_in_segment < packs * VEC &&
-        (target_in_segment / VEC) % blockDim.x == threadIdx.x) {
+    if (target_here && (target_in_segment / VEC) % blockDim.x == threadIdx.x) {
       Pack<T, 1> target_x;
       target_x.val[0] = segment[target_in_segment / VEC].val[target_in_segment % VEC];
       store_grad_pack<T, 1, false, false>(target_x, no_target, t.index, g, params.weight, gx, nullptr);
     }
     if (has_edge) {
-      store_grad_pack<T, 1, false, false>(edge(), no_target, edges.class_of(threadIdx.x), g, params.weight, gx,
-                                          nullptr);
+      store_grad_pack<T, 1, false, false>(edges.element(x, threadIdx.x), no_target, edges.class_of(threadIdx.x), g,
+                                          params.weight, gx, nullptr);
     }
     __syncthreads();  // every thread is done with the stage: the copy engine may refill it
     if (threadIdx.x == 0) fill_stage(k + stages);
@@ -954,7 +949,6 @@ struct RowLaunch {
   size_t dynamic_smem;  // bytes: the stash, or the pipelined kernel's stages
   int64_t stash_packs;
   int cluster_blocks = 1;
-  int stages = 0;
 };
 
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
@@ -1009,23 +1003,22 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
 // and ran slower (1.72 ms).
 template <typename Kernel>
 RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
-  constexpr int stages = 2, threads = kPipelineThreads;
   const size_t budget = max_dynamic_smem(kernel, device);
   for (int cluster_blocks = 1; cluster_blocks <= kMaxClusterBlocks; cluster_blocks *= 2) {
     const int64_t segment_packs = (num_packs + cluster_blocks - 1) / cluster_blocks;
-    const size_t smem = size_t(stages) * segment_packs * pack_bytes;
+    const size_t smem = size_t(kPipelineStages) * segment_packs * pack_bytes;
     if (smem > budget) continue;
     int64_t resident_clusters = 0;
     if (cluster_blocks == 1) {
-      resident_clusters = int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, threads, device, smem);
+      resident_clusters =
+          int64_t(multiprocessor_count(device)) * resident_blocks_per_sm(kernel, kPipelineThreads, device, smem);
     } else {
-      resident_clusters = resident_clusters_of(kernel, cluster_blocks, threads, device, smem);
+      resident_clusters = resident_clusters_of(kernel, cluster_blocks, kPipelineThreads, device, smem);
     }
     if (resident_clusters == 0) continue;
     const int64_t clusters = std::min(resident_clusters, rows);
-    RowLaunch launch{threads, clusters * cluster_blocks, smem, segment_packs};
+    RowLaunch launch{kPipelineThreads, clusters * cluster_blocks, smem, segment_packs};
     launch.cluster_blocks = cluster_blocks;
-    launch.stages = stages;
     return launch;
   }
   return {0, 0, 0, 0};
@@ -1094,7 +1087,6 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     params.grad_logits = data_or_null<T>(out.grad_logits);
     params.grad_target = data_or_null<T>(out.grad_target);
     params.stash_packs = launch.stash_packs;
-    params.stages = launch.stages;
     auto launch_kernel = [&] {
       launch_in_clusters(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks, stream,
                          params);
