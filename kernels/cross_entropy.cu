@@ -372,6 +372,9 @@ struct CrossEntropyParams {
   // row's front (at most all of them) the first pass keeps in dynamic shared memory, so
   // the gradient pass reads them from there rather than from L2 or HBM (0: none).
   int64_t stash_packs;
+  // cross_entropy_pipelined_kernel: rows (or a cluster's segments of rows, stash_packs
+  // packs each) in flight per block.
+  int stages;
 };
 
 // The scales of the ce and z terms' gradients for a scalar reduction: params.ce_scale,
@@ -688,8 +691,8 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
 }
 
 // sm_90 (bulk_copy_supported): the gradient of rows too long for registers, class-index targets
-// without label smoothing. Rows come into shared memory by the copy engine,
-// kPipelineStages deep: while a block works on one row, the next rows' bytes are already on their way
+// without label smoothing. Rows come into shared memory by the copy engine, params.stages
+// deep: while a block works on one row, the next rows' bytes are already on their way
 // into its other stages, so the reads wait neither for its reductions nor for its
 // gradient pass (the streamed kernel's reads stop for both). A row longer than a stage
 // is split among a cluster of blocks on neighbouring multiprocessors, one segment of
@@ -700,7 +703,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
 // 512 threads: 1024 were slower (128256-class bf16 rows in clusters of 4: 1.57 -> 1.81 ms),
 // as were 256 and 768.
 constexpr int kPipelineThreads = 512;
-constexpr int kPipelineStages = 2;
+constexpr int kMaxPipelineStages = 3;
 constexpr int kMaxClusterBlocks = 8;  // the portable cluster size
 
 // A segment's part of its row: its max and sum of exp(x - max), and the target's logit
@@ -724,12 +727,12 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   // (it can get no further: that row needs the slower block's part).
   __shared__ Part parts[2][kMaxClusterBlocks];
   __shared__ uint64_t parts_full[2];
-  __shared__ uint64_t stage_full[kPipelineStages];
+  __shared__ uint64_t stage_full[kMaxPipelineStages];
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   const Pack<T, VEC>* stage_packs = reinterpret_cast<const Pack<T, VEC>*>(dynamic_smem);
   const int64_t num_classes = params.num_classes;
   const int64_t segment_packs = params.stash_packs;
-  constexpr int stages = kPipelineStages;
+  const int stages = params.stages;
   const ClusterPlace place = cluster_place();
   const int rank = place.rank, blocks = place.blocks;
   // The cluster's k-th row: every block of a cluster walks the same rows.
@@ -740,14 +743,13 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   auto segment_end = [&](const RowEdges<T, VEC, kEdges>& edges) {
     return std::min<int64_t>(edges.num_packs, (rank + 1) * segment_packs);
   };
-  // Thread 0: the k-th row's segment into stage k % stages.
-  auto fill_stage = [&](int64_t k) {
+  // Thread 0: the k-th row's segment into `stage` (k % stages).
+  auto fill_stage = [&](int64_t k, int stage) {
     const int64_t row = row_of(k);
     if (row >= params.rows) return;
     const T* x = params.logits + row * num_classes;
     const RowEdges<T, VEC, kEdges> edges(x, num_classes);
     const int64_t begin = segment_begin(edges);
-    const int stage = static_cast<int>(k % stages);
     bulk_copy_to_shared(const_cast<Pack<T, VEC>*>(stage_packs + stage * segment_packs), x + edges.head + begin * VEC,
                         static_cast<uint32_t>((segment_end(edges) - begin) * sizeof(Pack<T, VEC>)), &stage_full[stage]);
   };
@@ -758,11 +760,15 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   __syncthreads();
   if (blocks > 1) cluster_sync();  // every block's barriers are ready before parts arrive
   if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) fill_stage(s);
+    for (int s = 0; s < stages; ++s) fill_stage(s, s);
   }
   const GradientScales<acc_t> scales = gradient_scales<T, index_t, false>(params, true, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
 
+  // The k-th row's stage (k % stages) and the parity of its barrier's phase (k / stages
+  // % 2), counted rather than divided: stages is not a compile-time constant.
+  int stage = 0;
+  uint32_t stage_phase = 0;
   for (int64_t k = 0; row_of(k) < params.rows; ++k) {
     const int64_t row = row_of(k);
     const T* x = params.logits + row * num_classes;
@@ -778,9 +784,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
         t.counted() && !target_on_edge && target_in_segment >= 0 && target_in_segment < packs * VEC;
     Pair acc{-infinity<acc_t>(), 0};
     if (has_edge) acc = add_pack(acc, edges.element(x, threadIdx.x));
-    const int stage = static_cast<int>(k % stages);
     const Pack<T, VEC>* segment = stage_packs + stage * segment_packs;
-    mbarrier_wait(&stage_full[stage], static_cast<uint32_t>(k / stages) & 1u);
+    mbarrier_wait(&stage_full[stage], stage_phase);
     // The target's logit where this block holds it: from its stage, or an edge (rank 0).
     // Not from memory in a pack of another block's segment: that block may already be
     // writing its gradient there (inplace_backward).
@@ -832,7 +837,11 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
                                           params.weight, gx, nullptr);
     }
     __syncthreads();  // every thread is done with the stage: the copy engine may refill it
-    if (threadIdx.x == 0) fill_stage(k + stages);
+    if (threadIdx.x == 0) fill_stage(k + stages, stage);
+    if (++stage == stages) {
+      stage = 0;
+      stage_phase ^= 1u;
+    }
   }
   // No block leaves while a part it sent may still be landing in another's memory.
   if (blocks > 1) cluster_sync();
@@ -949,6 +958,7 @@ struct RowLaunch {
   size_t dynamic_smem;  // bytes: the stash, or the pipelined kernel's stages
   int64_t stash_packs;
   int cluster_blocks = 1;
+  int stages = 0;  // the pipelined kernel's
 };
 
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
@@ -991,12 +1001,13 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
   return {threads, grid_for(kernel, rows * threads, threads, device, smem), smem, stash_packs};
 }
 
-// The pipelined kernel's launch (sm_90), or blocks == 0 where it does not fit: two
-// stages per block, in the fewest blocks per cluster whose segments of a row fit twice
-// in one block's shared memory (so, for the long rows, one block per multiprocessor).
-// Measured on an H100 (notes, v21), 8192 rows of bf16: 50257 classes one block, 128256
-// four; more stages, or more and smaller blocks per row (clusters of 2 for 50257, of 8
-// for 128256), were 2-60% slower. A cluster's blocks share a GPC, and GPCs hold
+// The pipelined kernel's launch (sm_90), or blocks == 0 where it does not fit: the
+// fewest blocks per cluster whose segments of a row fit twice in one block's shared
+// memory (so, for the long rows, one block per multiprocessor), then as many stages as
+// fit there, up to kMaxPipelineStages. Measured on an H100 (notes, v21-v22), 8192 rows of
+// bf16: 50257 classes one block of two stages (clusters of 2 with three stages: 0.62 ->
+// 0.66 ms); 128256 four blocks, three stages rather than two 1.58 -> 1.51 ms (two rows
+// on their way while the block works on a third); more and smaller blocks per row (clusters of 2 for 50257, of 8 for 128256) were 2-60% slower. A cluster's blocks share a GPC, and GPCs hold
 // different numbers of multiprocessors from one GPU to the next: two H100s here held 30
 // clusters of 4 (120 of 132 multiprocessors) and ran 128256-class rows in 1.62 ms; an
 // earlier one (its count not recorded) in 1.52. Clusters of 3 filled no more there (39)
@@ -1006,8 +1017,10 @@ RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_
   const size_t budget = max_dynamic_smem(kernel, device);
   for (int cluster_blocks = 1; cluster_blocks <= kMaxClusterBlocks; cluster_blocks *= 2) {
     const int64_t segment_packs = (num_packs + cluster_blocks - 1) / cluster_blocks;
-    const size_t smem = size_t(kPipelineStages) * segment_packs * pack_bytes;
-    if (smem > budget) continue;
+    const size_t segment_bytes = segment_packs * pack_bytes;
+    if (2 * segment_bytes > budget) continue;
+    const int stages = static_cast<int>(std::min<size_t>(kMaxPipelineStages, budget / segment_bytes));
+    const size_t smem = stages * segment_bytes;
     int64_t resident_clusters = 0;
     if (cluster_blocks == 1) {
       resident_clusters =
@@ -1019,6 +1032,7 @@ RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_
     const int64_t clusters = std::min(resident_clusters, rows);
     RowLaunch launch{kPipelineThreads, clusters * cluster_blocks, smem, segment_packs};
     launch.cluster_blocks = cluster_blocks;
+    launch.stages = stages;
     return launch;
   }
   return {0, 0, 0, 0};
@@ -1087,6 +1101,7 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     params.grad_logits = data_or_null<T>(out.grad_logits);
     params.grad_target = data_or_null<T>(out.grad_target);
     params.stash_packs = launch.stash_packs;
+    params.stages = launch.stages;
     auto launch_kernel = [&] {
       launch_in_clusters(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks, stream,
                          params);
