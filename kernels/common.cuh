@@ -411,7 +411,8 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arriva
 #endif
 }
 
-// This block's barrier: one arrival, which expects `bytes` more to land (st.async).
+// This block's barrier: one arrival, which expects `bytes` more to land (st.async, or
+// the copy engine's bulk copy).
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
 #if FUSED_LOSSES_BULK_COPY
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)

@@ -1007,11 +1007,11 @@ RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_pac
 // fit there, up to kMaxPipelineStages. Measured on an H100 (notes, v21-v22), 8192 rows of
 // bf16: 50257 classes one block of two stages (clusters of 2 with three stages: 0.62 ->
 // 0.66 ms); 128256 four blocks, three stages rather than two 1.58 -> 1.51 ms (two rows
-// on their way while the block works on a third); more and smaller blocks per row (clusters of 2 for 50257, of 8 for 128256) were 2-60% slower. A cluster's blocks share a GPC, and GPCs hold
-// different numbers of multiprocessors from one GPU to the next: two H100s here held 30
-// clusters of 4 (120 of 132 multiprocessors) and ran 128256-class rows in 1.62 ms; an
-// earlier one (its count not recorded) in 1.52. Clusters of 3 filled no more there (39)
-// and ran slower (1.72 ms).
+// on their way while the block works on a third); more and smaller blocks per row
+// (clusters of 2 for 50257, of 8 for 128256) were 2-60% slower. A cluster's blocks share
+// a GPC, and GPCs hold different numbers of multiprocessors from one GPU to the next: the
+// H100s here held 30 clusters of 4 (120 of 132 multiprocessors). Clusters of 3 filled no
+// more (39) and ran slower (v21, two stages: 1.72 ms against 1.62).
 template <typename Kernel>
 RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
   const size_t budget = max_dynamic_smem(kernel, device);
