@@ -20,8 +20,9 @@
 // the gradient as it goes; backward only scales it by grad_output, and not at all when
 // that is 1), or b with inplace_backward, whose gradient overwrites the logits. A row of
 // up to cache_packs * kMaxThreads packs stays in registers between the passes, so it is
-// read from HBM once. A longer row is streamed; when its gradient is written, on sm_90
-// (class-index targets, no label smoothing, 2- and 4-byte dtypes) the copy engine brings
+// read from HBM once (without a gradient, many such rows are streamed by a warp each).
+// A longer row is streamed; when its gradient is written, on sm_90 (class-index
+// targets, no label smoothing, 2- and 4-byte dtypes) the copy engine brings
 // it into shared memory, split among a cluster of blocks where it is longer than half a
 // block's (cross_entropy_pipelined_kernel): read once. Elsewhere the first pass keeps as
 // much of its front in shared memory as one block can have (227 KB on an H100: all of a
@@ -182,6 +183,33 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
   return sums;
 }
 
+// The threads that read a row together: the whole block, or (warps) each warp its own
+// rows. A block per row keeps long rows, or few rows, spread over every multiprocessor;
+// a warp per row reduces it without a barrier, which a read-only pass over many rows
+// feels: no warp waits at one while its loads could be in flight (the no-grad forward).
+// Read from the special registers when used, not held: held, they cost the block
+// kernels registers.
+template <bool kWarps>
+struct RowTeam {
+  // This thread's place in the team, and the team's threads.
+  __device__ __forceinline__ int rank() const { return kWarps ? threadIdx.x % 32 : threadIdx.x; }
+  __device__ __forceinline__ int size() const { return kWarps ? 32 : blockDim.x; }
+  // The team's first row, and the distance to its next (grid-stride over rows).
+  __device__ __forceinline__ int64_t first_row() const {
+    return kWarps ? int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32 : int64_t(blockIdx.x);
+  }
+  __device__ __forceinline__ int64_t row_stride() const {
+    return kWarps ? int64_t(gridDim.x) * (blockDim.x / 32) : int64_t(gridDim.x);
+  }
+  __device__ __forceinline__ bool leader() const { return rank() == 0; }
+  // Every thread of the team gets the result. A warp's needs no barrier, nor scratch.
+  template <typename V, typename Combine>
+  __device__ __forceinline__ V allreduce(V value, Combine combine, V identity, V* scratch) const {
+    if constexpr (kWarps) return warp_allreduce(value, combine);
+    return block_allreduce(value, combine, identity, scratch);
+  }
+};
+
 // Packs per thread in flight when a row is streamed: 4 x 16 B per thread is what covered
 // memory latency (notes: v3).
 constexpr int kStreamLoadsAhead = 4;
@@ -191,23 +219,23 @@ constexpr int kStreamLoadsAhead = 4;
 // index). `backwards` visits the row from its end: a second pass over a row then starts
 // with what the first pass read last, the part most likely still in L2 (front to back,
 // each miss would evict the next part this pass needs).
-template <typename T, int VEC, bool kProbs, typename Visit>
+template <typename T, int VEC, bool kProbs, typename Team, typename Visit>
 __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, bool backwards,
-                                                  Visit visit) {
+                                                  const Team& team, Visit visit) {
   Pack<T, VEC> none;
   auto pack_at = [&](int64_t p) { return backwards ? num_packs - 1 - p : p; };
-  int64_t p = threadIdx.x;
-  for (; p + (kStreamLoadsAhead - 1) * blockDim.x < num_packs; p += kStreamLoadsAhead * blockDim.x) {
+  int64_t p = team.rank();
+  for (; p + (kStreamLoadsAhead - 1) * team.size() < num_packs; p += kStreamLoadsAhead * team.size()) {
     Pack<T, VEC> xs[kStreamLoadsAhead], ys[kProbs ? kStreamLoadsAhead : 1];
 #pragma unroll
     for (int u = 0; u < kStreamLoadsAhead; ++u) {
-      xs[u] = load_pack<T, VEC>(x + pack_at(p + u * blockDim.x) * VEC);
-      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + pack_at(p + u * blockDim.x) * VEC);
+      xs[u] = load_pack<T, VEC>(x + pack_at(p + u * team.size()) * VEC);
+      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + pack_at(p + u * team.size()) * VEC);
     }
 #pragma unroll
-    for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, pack_at(p + u * blockDim.x));
+    for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, pack_at(p + u * team.size()));
   }
-  for (; p < num_packs; p += blockDim.x) {
+  for (; p < num_packs; p += team.size()) {
     const int64_t q = pack_at(p);
     visit(load_pack<T, VEC>(x + q * VEC), kProbs ? load_pack<T, VEC>(y + q * VEC) : none, q);
   }
@@ -425,15 +453,15 @@ __device__ __forceinline__ RowTarget row_target(const CrossEntropyParams<T>& par
 }
 
 // A row after its reductions (row_max, sum = sum_c exp(x_c - row_max), the class sums
-// relative to row_max, and thread 0's target logit): thread 0 writes the row's loss and
-// lse where asked and adds its terms to the block's sums; with want_grad every thread
-// gets the gradient's coefficients.
+// relative to row_max, and the leader's target logit): the leader (one thread of those
+// that read the row) writes the row's loss and lse where asked and adds its terms to its
+// sums; with want_grad every thread gets the gradient's coefficients.
 template <typename T, bool kProbs, bool kClassSums, bool kSumOnly, typename acc_t, typename exp_sum_t>
 __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParams<T>& params, int64_t row,
                                                          const RowTarget& t, acc_t row_max, exp_sum_t sum,
                                                          const ClassSums<sum_t>& sums, acc_t target_logit,
                                                          GradientScales<acc_t> scales, bool want_grad,
-                                                         sum_t& block_ce, sum_t& block_z) {
+                                                         bool leader, sum_t& block_ce, sum_t& block_z) {
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(params.num_classes);  // eps / C
@@ -454,7 +482,7 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
     }
   }
 
-  if (threadIdx.x == 0) {
+  if (leader) {
     acc_t ce = 0, z = 0;
     if (!t.valid && !t.ignored) {
       ce = quiet_nan<acc_t>();
@@ -504,11 +532,14 @@ constexpr int stash_threads(bool probs, bool class_sums) {
 // and the rest is read again, mostly from L2. Two instantiations rather than one kernel
 // with both paths: each path's registers are then its own. kSumOnly: a scalar loss with
 // no gradient, lse or per-row loss, an instantiation without their code and registers
-// (more blocks per multiprocessor, for the forward of a no-grad call).
+// (more blocks per multiprocessor, for the forward of a no-grad call). kWarpRows: the
+// sum-only streamed kernel with a warp per row rather than a block (RowTeam; class-index
+// targets without label smoothing, the forward's usual case).
 template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed,
-          bool kSumOnly>
+          bool kSumOnly, bool kWarpRows = false>
 __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kProbs, kClassSums) : kMaxThreads)
     cross_entropy_kernel(CrossEntropyParams<T> params) {
+  static_assert(!kWarpRows || (kStreamed && kSumOnly && !kProbs && !kClassSums), "warp rows: sum-only, streamed");
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
@@ -522,15 +553,16 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   // Bytes, not Pack<T, VEC>: every instantiation of this template shares the one array.
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   Pack<T, VEC>* stash = reinterpret_cast<Pack<T, VEC>*>(dynamic_smem);
+  const RowTeam<kWarpRows> team;
   // The k-th pack of the row this thread caches, when it is < the row's num_packs.
-  auto cached_pack = [&](int k) { return threadIdx.x + int64_t(k) * blockDim.x; };
+  auto cached_pack = [&](int k) { return team.rank() + int64_t(k) * team.size(); };
   // Constant false in kSumOnly: the gradient pass below compiles out.
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
   const GradientScales<acc_t> scales = gradient_scales<T, index_t, kProbs>(params, want_grad, scratch_sum);
-  sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
+  sum_t block_ce = 0, block_z = 0;  // meaningful in team leaders
 
-  for (int64_t row = blockIdx.x; row < params.rows; row += gridDim.x) {
+  for (int64_t row = team.first_row(); row < params.rows; row += team.row_stride()) {
     const T* x = params.logits + row * num_classes;
     const T* y = kProbs ? static_cast<const T*>(params.target) + row * num_classes : nullptr;
     const RowTarget t = row_target<index_t, kProbs>(params, row);
@@ -539,7 +571,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
     // threads may overwrite the row with its gradient (inplace_backward).
     acc_t target_logit = 0;
     auto read_target_logit = [&] {
-      if (!kProbs && t.counted() && threadIdx.x == 0) target_logit = static_cast<acc_t>(x[t.index]);
+      if (!kProbs && t.counted() && team.leader()) target_logit = static_cast<acc_t>(x[t.index]);
     };
     // The reference of the class sums for a row read in one pass; 0 when x[0] is -inf
     // (a masked class), which would make every x - ref infinite.
@@ -554,10 +586,11 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
     const T* y_packs = kProbs ? y + edges.head : y;
     auto first_class = [&](int64_t p) { return edges.head + p * VEC; };
     const int64_t stash_packs = params.stash_packs < num_packs ? params.stash_packs : num_packs;
-    const bool has_edge = edges.has(threadIdx.x);
+    // Fewer than 2 * VEC <= 16 edge elements: a warp holds them all.
+    const bool has_edge = edges.has(team.rank());
     // This thread's edge element (its logit, and its target probability), read when used
     // rather than held in registers through the row: the register path has none to spare.
-    auto edge = [&](const T* row) { return edges.element(row, threadIdx.x); };
+    auto edge = [&](const T* row) { return edges.element(row, team.rank()); };
 
     Pack<T, VEC> cache[kPacks], target_cache[kProbs ? kPacks : 1];
     acc_t row_max;
@@ -588,7 +621,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
         const Pack<T, 1> edge_x = edge(x);
         thread_sum = exp_minus<T>(static_cast<acc_t>(edge_x.val[0]), row_max);
         if constexpr (kClassSums) {
-          sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(threadIdx.x),
+          sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(team.rank()),
                                            params.weight, row_max));
         }
       }
@@ -613,11 +646,11 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
         const Pack<T, 1> edge_x = edge(x);
         acc = add_pack(acc, edge_x);
         if constexpr (kClassSums) {
-          sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(threadIdx.x),
+          sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(team.rank()),
                                            params.weight, first_logit));
         }
       }
-      for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false,
+      for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false, team,
                                         [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if (!kSumOnly && p < stash_packs) stash[p] = xp;
@@ -626,18 +659,18 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
         }
       });
       read_target_logit();
-      acc = block_allreduce(acc, CombineMaxSum(), MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
-                             scratch_pair);
+      acc = team.allreduce(acc, CombineMaxSum(), MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
+                           scratch_pair);
       row_max = acc.max;
       sum = acc.sum;
     }
     if constexpr (kClassSums) {
-      sums = block_allreduce(sums, SumOp<ClassSums<sum_t>>(), ClassSums<sum_t>{}, scratch_sums)
+      sums = team.allreduce(sums, SumOp<ClassSums<sum_t>>(), ClassSums<sum_t>{}, scratch_sums)
                  .relative_to(row_in_registers ? row_max : first_logit, row_max);
     }
     const RowGradient<acc_t> g =
         finish_row<T, kProbs, kClassSums, kSumOnly>(params, row, t, row_max, sum, sums, target_logit, scales,
-                                                    want_grad, block_ce, block_z);
+                                                    want_grad, team.leader(), block_ce, block_z);
     if (want_grad) {
       T* gx = params.grad_logits != nullptr ? params.grad_logits + row * num_classes : nullptr;
       T* gy = params.grad_target != nullptr ? params.grad_target + row * num_classes : nullptr;
@@ -656,11 +689,11 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
         // barrier is needed here or before the next row's first pass refills it.
         const int64_t rest = stash_packs * VEC;
         for_each_row_pack<T, VEC, kProbs>(x_packs + rest, kProbs ? y_packs + rest : y_packs, num_packs - stash_packs,
-                                          true, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+                                          true, team, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
           store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(stash_packs + p), g, params.weight, gx,
                                                       gy);
         });
-        for (int64_t p = threadIdx.x; p < stash_packs; p += blockDim.x) {
+        for (int64_t p = team.rank(); p < stash_packs; p += team.size()) {
           // By value, so the pack is one 16-byte shared load: through a reference the
           // compiler reads it element by element (8 LDS.U16 per bf16 pack, per ncu).
           const Pack<T, VEC> xp = load_pack<T, VEC>(stash[p].val);
@@ -672,11 +705,15 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
       // is needed here either, and with inplace_backward it still holds the logit.
       if (has_edge) {
         store_grad_pack<T, 1, kProbs, kClassSums>(edge(x), kProbs ? edge(y) : Pack<T, 1>{},
-                                                  edges.class_of(threadIdx.x), g, params.weight, gx, gy);
+                                                  edges.class_of(team.rank()), g, params.weight, gx, gy);
       }
     }
   }
   if (params.finish.partials == nullptr) return;
+  if constexpr (kWarpRows) {  // each warp's leader holds its rows' sums
+    block_ce = block_sum(block_ce, scratch_sum);
+    block_z = block_sum(block_z, scratch_sum);
+  }
   if (threadIdx.x == 0) {
     params.finish.partials[blockIdx.x] = block_ce;
     params.finish.partials[gridDim.x + blockIdx.x] = block_z;
@@ -816,7 +853,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
       }
     }
     const RowGradient<acc_t> g = finish_row<T, false, false, false>(
-        params, row, t, acc.max, acc.sum, ClassSums<sum_t>{}, target_logit, scales, true, block_ce, block_z);
+        params, row, t, acc.max, acc.sum, ClassSums<sum_t>{}, target_logit, scales, true, threadIdx.x == 0, block_ce,
+        block_z);
 
     // The packs without the one-hot term, then the target's element again with it, by
     // the thread that wrote its pack (its second store lands after its first).
@@ -951,6 +989,26 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
   });
 }
 
+// The sum-only forward (no gradient) streams each row through one warp (kWarpRows)
+// where the register path would take it by a block of 64 to 512 threads, if the rows
+// give every multiprocessor at least kWarpRowsPerMultiprocessor warps. The register path
+// loads its row, then reduces it with the loads stopped, at a few blocks per
+// multiprocessor; a warp per row reduces without a barrier, with 32 to 48 warps per
+// multiprocessor hiding one another's reductions. H100, forward ms, block per row -> warp per row
+// (notes, v23): 32000-class bf16 rows, 8192 of them, 0.297 -> 0.189; 8192 classes bf16
+// 4096 rows 0.041 -> 0.032; 2048 classes fp32 16384 rows 0.063 -> 0.054; 4096 classes fp32
+// 32768 rows 0.185 either way; 16384 classes fp32 8192 rows 0.185 -> 0.188 (its one loss).
+// Longer rows stay a block's: by warps, 50257 classes were as fast and 128256 3% slower,
+// and few rows (1536 of 50257 classes) 6% slower.
+constexpr int kWarpRowsThreads = 256;
+constexpr int64_t kWarpRowsPerMultiprocessor = 8;
+
+inline bool use_warp_rows(int64_t rows, int64_t num_packs, int device) {
+  constexpr int64_t warp_packs = 32 * int64_t(cache_packs<false>());
+  return num_packs > warp_packs && num_packs <= kMaxThreads * int64_t(cache_packs<false>()) &&
+         rows >= kWarpRowsPerMultiprocessor * multiprocessor_count(device);
+}
+
 // How a launch lays rows on the GPU.
 struct RowLaunch {
   int threads;
@@ -969,8 +1027,9 @@ struct RowLaunch {
 // multiprocessor where they fit, else the row's front, as much as the multiprocessor
 // holds. As many blocks as fit on the GPU at once.
 template <typename Kernel>
-RowLaunch row_launch(Kernel kernel, bool streamed, int64_t rows, int64_t num_packs, int cached_packs,
+RowLaunch row_launch(Kernel kernel, bool streamed, bool warp_rows, int64_t rows, int64_t num_packs, int cached_packs,
                      size_t pack_bytes, bool want_grad, int stash_block_threads, int device) {
+  if (warp_rows) return {kWarpRowsThreads, grid_for(kernel, rows * 32, kWarpRowsThreads, device), 0, 0};
   int threads = 256;
   size_t smem = 0;
   int64_t stash_packs = 0;
@@ -1060,9 +1119,11 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using T = typename Cfg::scalar;
     using acc_t = at::opmath_type<T>;
     const int64_t num_packs = in.logits.size(1) / Cfg::vec;
-    const bool streamed = num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
     const bool sum_only = scalar_loss && !out.grad_logits.defined() && !out.grad_target.defined() &&
                           !out.lse.defined();
+    constexpr bool warp_rows_possible = !Cfg::probs && !Cfg::class_sums;
+    const bool warp_rows = warp_rows_possible && sum_only && use_warp_rows(rows, num_packs, device);
+    const bool streamed = num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
     auto kernel_for = [&](auto streamed_tag, auto sum_only_tag) {
       return cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums,
                                   decltype(streamed_tag)::value, decltype(sum_only_tag)::value>;
@@ -1071,6 +1132,11 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using no = std::false_type;
     auto kernel = streamed ? (sum_only ? kernel_for(yes{}, yes{}) : kernel_for(yes{}, no{}))
                            : (sum_only ? kernel_for(no{}, yes{}) : kernel_for(no{}, no{}));
+    if constexpr (warp_rows_possible) {  // the sum-only streamed kernel, a warp per row
+      if (warp_rows) {
+        kernel = cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, false, false, true, true, true>;
+      }
+    }
     const bool want_grad = out.grad_logits.defined() || out.grad_target.defined();
     // Long rows' gradients on sm_90: the pipelined kernel, where its stages fit.
     RowLaunch launch{0, 0, 0, 0};
@@ -1082,8 +1148,8 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
       }
     }
     if (launch.blocks == 0) {
-      launch = row_launch(kernel, streamed, rows, num_packs, cache_packs<Cfg::probs>(), sizeof(Pack<T, Cfg::vec>),
-                          want_grad, stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
+      launch = row_launch(kernel, streamed, warp_rows, rows, num_packs, cache_packs<Cfg::probs>(),
+                          sizeof(Pack<T, Cfg::vec>), want_grad, stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
     }
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();

@@ -127,6 +127,16 @@ ODD_ROW = "odd C = 1001 (rows start off 16 bytes: edge elements)"
 VIEW_OFF_16_BYTES = "view from the second row (data off 16 bytes)"
 STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read twice)"
 
+# Without grad, many rows longer than a warp's register cache are read by a warp each
+# (kWarpRows): at least 8 per multiprocessor. Odd C: rows start at every offset from 16 bytes.
+WARP_ROWS = "many rows of odd C = 4099 (without grad: a warp per row)"
+
+
+def warp_rows(dtype):
+    rows = 32 * torch.cuda.get_device_properties(0).multi_processor_count + 5
+    return randn(rows, 4099, dtype=dtype)
+
+
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.
 SHAPES = {
     "one row": lambda dtype: randn(1, 1000, dtype=dtype),
@@ -144,6 +154,7 @@ SHAPES = {
     ODD_LONG_ROW: lambda dtype: randn(3, 40001, dtype=dtype),
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
+    WARP_ROWS: warp_rows,
 }
 
 
@@ -302,7 +313,7 @@ def _option_id(options):
 
 
 CROSSED_SHAPES = ["7x1000", "1-D input (C,), 0-dim target", "3-D (N, C, d): classes in dim 1",
-                  ODD_ROW, VIEW_OFF_16_BYTES, LONG_ROW, ODD_LONG_ROW, STREAMED_ROW]
+                  ODD_ROW, VIEW_OFF_16_BYTES, LONG_ROW, ODD_LONG_ROW, STREAMED_ROW, WARP_ROWS]
 
 
 @pytest.mark.gpu
