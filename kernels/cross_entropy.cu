@@ -184,11 +184,8 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
 }
 
 // The threads that read a row together: the whole block, or (warps) each warp its own
-// rows. A block per row keeps long rows, or few rows, spread over every multiprocessor;
-// a warp per row reduces it without a barrier, which a read-only pass over many rows
-// feels: no warp waits at one while its loads could be in flight (the no-grad forward).
-// Read from the special registers when used, not held: held, they cost the block
-// kernels registers.
+// rows, reduced without a barrier (where and why: use_warp_rows). Read from the special
+// registers when used, not held: held, they cost the block kernels registers.
 template <bool kWarps>
 struct RowTeam {
   // This thread's place in the team, and the team's threads.
@@ -1003,9 +1000,9 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
 constexpr int kWarpRowsThreads = 256;
 constexpr int64_t kWarpRowsPerMultiprocessor = 8;
 
+// For rows the register path would take (not streamed) with class-index targets.
 inline bool use_warp_rows(int64_t rows, int64_t num_packs, int device) {
-  constexpr int64_t warp_packs = 32 * int64_t(cache_packs<false>());
-  return num_packs > warp_packs && num_packs <= kMaxThreads * int64_t(cache_packs<false>()) &&
+  return num_packs > 32 * int64_t(cache_packs<false>()) &&
          rows >= kWarpRowsPerMultiprocessor * multiprocessor_count(device);
 }
 
@@ -1121,9 +1118,9 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     const int64_t num_packs = in.logits.size(1) / Cfg::vec;
     const bool sum_only = scalar_loss && !out.grad_logits.defined() && !out.grad_target.defined() &&
                           !out.lse.defined();
-    constexpr bool warp_rows_possible = !Cfg::probs && !Cfg::class_sums;
-    const bool warp_rows = warp_rows_possible && sum_only && use_warp_rows(rows, num_packs, device);
     const bool streamed = num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
+    constexpr bool warp_rows_possible = !Cfg::probs && !Cfg::class_sums;
+    const bool warp_rows = warp_rows_possible && sum_only && !streamed && use_warp_rows(rows, num_packs, device);
     auto kernel_for = [&](auto streamed_tag, auto sum_only_tag) {
       return cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums,
                                   decltype(streamed_tag)::value, decltype(sum_only_tag)::value>;

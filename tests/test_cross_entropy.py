@@ -132,9 +132,12 @@ STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read
 WARP_ROWS = "many rows of odd C = 4099 (without grad: a warp per row)"
 
 
-def warp_rows(dtype):
-    rows = 32 * torch.cuda.get_device_properties(0).multi_processor_count + 5
-    return randn(rows, 4099, dtype=dtype)
+def rows_per_multiprocessor(per_multiprocessor, num_classes):
+    """Logits of per_multiprocessor rows for each multiprocessor of the GPU, and a few more."""
+    def make(dtype):
+        rows = per_multiprocessor * torch.cuda.get_device_properties(0).multi_processor_count + 3
+        return randn(rows, num_classes, dtype=dtype)
+    return make
 
 
 # Each case hits one regime of the kernel. Built on the GPU, so views stay views.
@@ -154,7 +157,7 @@ SHAPES = {
     ODD_LONG_ROW: lambda dtype: randn(3, 40001, dtype=dtype),
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
-    WARP_ROWS: warp_rows,
+    WARP_ROWS: rows_per_multiprocessor(32, 4099),
 }
 
 
@@ -175,10 +178,7 @@ def test_matches_float64(case, dtype, reduction, index_dtype):
 # stash row after row. Odd C: rows start at every offset from 16 bytes, so the number of
 # packs, and of them stashed, differs from row to row.
 def many_streamed_rows(num_classes):
-    def make(dtype):
-        rows = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 3
-        return randn(rows, num_classes, dtype=dtype)
-    return make
+    return rows_per_multiprocessor(4, num_classes)
 
 
 MANY_STREAMED_ROWS = {
