@@ -6,21 +6,22 @@
 
 Each build is one extension, compiled with torch.utils.cpp_extension.load_inline for one
 GPU arch. Its name carries the arch and a hash of everything that shapes the binary
-(the .cu and the headers it includes, compile flags, torch and CUDA versions, Python
-version), so a new GPU, an edited kernel or a torch upgrade gets a build of its own and
-nothing stale is ever loaded. The kernels register their ops in a torch.ops namespace of
-that same name, so two builds can live in one process.
+(the .cu and the headers it includes, its bindings, compile flags, torch and CUDA
+versions, Python version), so a new GPU, an edited kernel or a torch upgrade gets a
+build of its own and nothing stale is ever loaded. A build is a Python module of that
+same name (pybind11 bindings, BINDINGS), so two builds can live in one process.
 
 Builds go under $TORCH_EXTENSIONS_DIR (torch's default cache when unset)/fused_losses.
 A build runs under an OS-level lock (fcntl.flock), released by the kernel when its
 process dies, so a build killed half-way never blocks the next one; a finished build
-leaves a marker, and a cached load is one file check and a dlopen.
+leaves a marker, and a cached load is one file check and an import.
 """
 from __future__ import annotations
 
 import argparse
 import fcntl
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -37,12 +38,28 @@ EXTRA_CFLAGS = ["-O3"]
 EXTRA_CUDA_CFLAGS = ["-O3", "-lineinfo"]
 BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
 
-_loaded: dict[tuple[str, str], object] = {}  # (kernel name, arch) -> torch.ops namespace
+_loaded: dict[tuple[str, str], object] = {}  # (kernel name, arch) -> the build's module
 _loaded_for_device: dict[tuple[str, int], object] = {}  # (kernel name, device index) -> the same
-# Extension names this process has loaded. Loading a second file with the same name
-# (the same build in another cache directory) would register its torch.ops namespace
-# again, which aborts the process: the namespace already loaded is used instead.
-_loaded_extensions: set[str] = set()
+# Builds this process has imported, by extension name. The same name in another cache
+# directory is the same build (the name hashes everything in it): the module already
+# imported serves.
+_loaded_extensions: dict[str, object] = {}
+
+# The Python side of kernel {kernel}'s build (kernels/ops.h declares what it binds),
+# compiled by the host compiler as load_inline's main.cpp, after its
+# #include <torch/extension.h>. pybind11 rather than a torch.ops registration: on an
+# H100 machine's host a call through torch.ops costs about 9 us, through pybind11 about
+# 4 (cross-entropy's 12 arguments), and the small losses are bound by host time.
+# wrap_pybind_function raises torch's Python exceptions (torch.OutOfMemoryError...)
+# where pybind11 alone would raise RuntimeError.
+BINDINGS = """#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
+  m.def("forward", torch::wrap_pybind_function(fused_losses::{kernel}_forward));
+  m.def("backward", torch::wrap_pybind_function(fused_losses::{kernel}_backward));
+  m.def("scale_by_grad_output_", torch::wrap_pybind_function(fused_losses::scale_by_grad_output_));
+}}
+"""
 _toolkit_checked = False
 
 
@@ -54,7 +71,8 @@ class BuildError(RuntimeError):
 # What a build is: sources, arch, cache key.
 
 def kernel_sources(name: str) -> dict[str, str]:
-    """kernels/<name>.cu and every kernels/ header it includes (recursively), by file name."""
+    """kernels/<name>.cu and every kernels/ header it includes (recursively), by file name,
+    and the bindings (BINDINGS) as main.cpp."""
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
@@ -70,6 +88,7 @@ def kernel_sources(name: str) -> dict[str, str]:
             header = KERNEL_DIR / included
             if header.is_file():
                 pending.append(header)
+    sources["main.cpp"] = BINDINGS.format(kernel=name)
     return sources
 
 
@@ -246,13 +265,13 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
     try:
         _cpp_extension().load_inline(
             name=ext_name,
-            cpp_sources=[],
+            cpp_sources=[sources["main.cpp"]],
             cuda_sources=[sources[f"{name}.cu"]],
             extra_cflags=EXTRA_CFLAGS,
             extra_cuda_cflags=EXTRA_CUDA_CFLAGS + [gencode_flag(arch)],
             extra_include_paths=[str(KERNEL_DIR)],
             build_directory=str(build_dir),
-            is_python_module=False,
+            is_python_module=False,  # build only: _open_build imports it
             verbose=verbose,
         )
     except Exception as error:  # load_inline raises RuntimeError with the compiler's output
@@ -273,11 +292,11 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
 
 
 def _open_build(name: str, arch: str, verbose: bool = False):
-    """Loads the build of `name` for `arch`, building it first if needed."""
+    """Imports the build of `name` for `arch`, building it first if needed."""
     sources = kernel_sources(name)
     ext_name = extension_name(name, arch, cache_key(sources, arch))
     if ext_name in _loaded_extensions:
-        return getattr(torch.ops, ext_name)
+        return _loaded_extensions[ext_name]
     root = cache_root()
     build_dir = root / ext_name
     library = build_dir / f"{ext_name}.so"
@@ -295,16 +314,18 @@ def _open_build(name: str, arch: str, verbose: bool = False):
             fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes or the process dies
             if not built():  # another process may have built it meanwhile
                 _build(name, arch, ext_name, build_dir, sources, verbose)
-    torch.ops.load_library(str(library))
-    _loaded_extensions.add(ext_name)
-    return getattr(torch.ops, ext_name)
+    spec = importlib.util.spec_from_file_location(ext_name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded_extensions[ext_name] = module
+    return module
 
 
 def load(name: str, arch: str | None = None, verbose: bool = False):
     """The ops of kernel `name` for `arch` (default: the current CUDA device's).
 
     First use builds (one line on stderr says where and how long); later calls in the
-    process return the same namespace at once.
+    process return the same module at once.
     """
     if arch is None:
         if not torch.cuda.is_available():

@@ -163,16 +163,16 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
 # ----------------------------------------------------------------------------------
 # Kernel ops under torch.compile.
 #
-# A build's ops live in a namespace named after its arch and content hash, found by the
-# loader, which reads files and takes locks: nothing a tracer can follow. So each
-# kernel's ops are defined once more under a stable name, torch.ops.fused_losses_<kernel>.<op>,
-# with the build's schema. Running one loads the build and calls its op; tracing one
-# runs only its fake, which makes outputs of the right shapes and dtypes. Eager calls
-# skip this layer and call the build directly: a Python custom op's dispatch costs
-# microseconds, which launch-bound losses would feel.
+# A build is a Python module (pybind11) named after its arch and content hash, found by
+# the loader, which reads files and takes locks: nothing a tracer can follow. So each
+# kernel's ops are defined once more as custom ops under a stable name,
+# torch.ops.fused_losses_<kernel>.<op>, with a schema. Running one loads the build and
+# calls its op; tracing one runs only its fake, which makes outputs of the right shapes
+# and dtypes. Eager calls skip this layer and call the build directly: a custom op's
+# dispatch costs microseconds, which launch-bound losses would feel.
 #
-# KERNEL_OPS mirrors the bindings at the end of each kernels/<kernel>.cu: op name ->
-# (schema without the name, fake). A changed kernel signature changes its row here.
+# KERNEL_OPS mirrors kernels/ops.h: op name -> (schema without the name, fake). A changed
+# kernel signature changes its row here (tests/test_build.py compares them).
 
 def _pointwise_forward_fake(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
                             *op_args):

@@ -18,7 +18,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <cuda_runtime.h>
 
@@ -30,13 +29,7 @@
 #include <tuple>
 #include <utility>
 
-// Registers this build's ops in a torch.ops namespace named after the extension
-// (loader.py puts the arch and a content hash in that name, so an edited kernel loads
-// beside the old one). torch < 2.1 stringizes TORCH_LIBRARY's namespace argument
-// without expanding macros, which would register every kernel as the namespace
-// "TORCH_EXTENSION_NAME": one level of indirection expands it first.
-#define FUSED_LOSSES_LIBRARY_IN(ns, m) TORCH_LIBRARY(ns, m)
-#define FUSED_LOSSES_LIBRARY(m) FUSED_LOSSES_LIBRARY_IN(TORCH_EXTENSION_NAME, m)
+#include "ops.h"
 
 namespace fused_losses {
 
@@ -672,8 +665,10 @@ __global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_ou
   }
 }
 
-// In place: grad *= grad_output (a 0-dim tensor of grad's dtype on grad's device).
-inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
+// In place: grad *= grad_output (a 0-dim tensor of grad's dtype on grad's device). Not
+// inline: the bindings call it from another translation unit (ops.h); each build
+// compiles this header once.
+void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
   TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
   TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type() &&
                   grad_output.device() == grad.device(),

@@ -1265,13 +1265,3 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logi
 }
 
 }  // namespace fused_losses
-
-// ---------------------------------------------------------------------------------
-// Bindings (FUSED_LOSSES_LIBRARY: see common.cuh).
-
-FUSED_LOSSES_LIBRARY(m) {
-  m.def("forward", &fused_losses::cross_entropy_forward);
-  m.def("backward", &fused_losses::cross_entropy_backward);
-  m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",
-        &fused_losses::scale_by_grad_output_);
-}

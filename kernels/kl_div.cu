@@ -106,13 +106,3 @@ std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, cons
 }
 
 }  // namespace fused_losses
-
-// ---------------------------------------------------------------------------------
-// Bindings (FUSED_LOSSES_LIBRARY: see common.cuh).
-
-FUSED_LOSSES_LIBRARY(m) {
-  m.def("forward", &fused_losses::kl_div_forward);
-  m.def("backward", &fused_losses::kl_div_backward);
-  m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",
-        &fused_losses::scale_by_grad_output_);
-}

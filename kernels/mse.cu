@@ -53,13 +53,3 @@ std::tuple<at::Tensor, at::Tensor> mse_backward(const at::Tensor& input, const a
 }
 
 }  // namespace fused_losses
-
-// ---------------------------------------------------------------------------------
-// Bindings (FUSED_LOSSES_LIBRARY: see common.cuh).
-
-FUSED_LOSSES_LIBRARY(m) {
-  m.def("forward", &fused_losses::mse_forward);
-  m.def("backward", &fused_losses::mse_backward);
-  m.def("scale_by_grad_output_(Tensor(a!) grad, Tensor grad_output) -> ()",
-        &fused_losses::scale_by_grad_output_);
-}

@@ -43,10 +43,11 @@ def fake_toolkit(root: Path, release: str, with_cudart: bool = True) -> Path:
 # ----------------------------------------------------------------------------------
 # What a build is.
 
-def test_sources_include_the_shared_header():
+def test_sources_include_the_shared_headers_and_the_bindings():
     for name in loader.KERNELS:
         sources = loader.kernel_sources(name)
-        assert set(sources) == {f"{name}.cu", "common.cuh"}
+        assert set(sources) == {f"{name}.cu", "common.cuh", "ops.h", "main.cpp"}
+        assert f"fused_losses::{name}_forward" in sources["main.cpp"]
 
 
 def test_unknown_kernel_is_a_clear_error():
@@ -79,6 +80,7 @@ def test_cache_key_changes_with_everything_that_shapes_the_binary(monkeypatch):
     edited_header = dict(sources, **{"common.cuh": sources["common.cuh"] + "\n// edited"})
     assert loader.cache_key(edited_kernel, "9.0") != base
     assert loader.cache_key(edited_header, "9.0") != base
+    assert loader.cache_key(dict(sources, **{"main.cpp": sources["main.cpp"] + "\n// edited"}), "9.0") != base
     assert loader.cache_key(sources, "8.0") != base
     assert loader.cache_key(sources, "9.0", cuda_cflags=["-O2"]) != base
     assert loader.cache_key(sources, "9.0", cflags=["-O0"]) != base
