@@ -71,11 +71,18 @@ def _legacy_reduction(size_average, reduce, reduction: str) -> str:
     return reduction
 
 
-def _check_same_device(input: torch.Tensor, **others) -> None:
-    for name, other in others.items():
-        if isinstance(other, torch.Tensor) and other.device != input.device:
-            raise ValueError(f"{name} is on {other.device} but input is on {input.device}; "
-                             f"move both to one device")
+def _check_same_device(input: torch.Tensor, target, weight: torch.Tensor | None = None) -> None:
+    """target (when a tensor: torch raises its own error for anything else) and weight
+    must be on input's device. Written out rather than looped: every loss call pays it."""
+    device = input.device
+    if isinstance(target, torch.Tensor) and target.device != device:
+        raise _device_error("target", target, input)
+    if weight is not None and weight.device != device:
+        raise _device_error("weight", weight, input)
+
+
+def _device_error(name: str, other: torch.Tensor, input: torch.Tensor) -> ValueError:
+    return ValueError(f"{name} is on {other.device} but input is on {input.device}; move both to one device")
 
 
 def _check_fallback_allowed(loss: str, why: str, input: torch.Tensor) -> None:
@@ -366,7 +373,7 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=
     """
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "batchmean", "mean", "sum"))
-    _check_same_device(input, target=target)
+    _check_same_device(input, target)
     why_not = _pointwise_fusable(input, target)
     if why_not is None:
         batch_size = input.shape[0] if input.dim() != 0 else 1  # torch's, before broadcasting
@@ -404,7 +411,7 @@ def mse_loss(input: torch.Tensor, target: torch.Tensor, size_average=None, reduc
     """F.mse_loss(input, target, ...). `weight` (torch 2.6+) runs torch's implementation."""
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "mean", "sum"))
-    _check_same_device(input, target=target, weight=weight)
+    _check_same_device(input, target, weight)
     why_not = "weight is not fused yet" if weight is not None else _pointwise_fusable(input, target)
     if why_not is None:
         if input.shape != target.shape:  # torch's warning, word for word
@@ -501,19 +508,21 @@ def _mark_overwritten(tensor: torch.Tensor) -> None:
 
 def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss) -> None:
     """torch's rules for these arguments, as ValueErrors that name the argument."""
-    if input.dim() == 0:
+    dim, shape = input.dim(), input.shape
+    if dim == 0:
         raise ValueError("input must have at least 1 dimension (the classes), got a 0-dim tensor")
-    num_classes = input.shape[1] if input.dim() > 1 else input.shape[0]
+    num_classes = shape[1] if dim > 1 else shape[0]
     if target.is_floating_point():
-        if tuple(target.shape) != tuple(input.shape):
-            raise ValueError(f"target of class probabilities must have input's shape {tuple(input.shape)}, "
+        if target.shape != shape:
+            raise ValueError(f"target of class probabilities must have input's shape {tuple(shape)}, "
                              f"got {tuple(target.shape)}")
         if ignore_index != -100:
             raise ValueError("ignore_index is not supported for floating point target (class probabilities)")
-    else:
-        expected = (input.shape[0],) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
+    # Class indices: (N) for (N, C), the usual case, checked cheaply first.
+    elif not (dim == 2 and target.dim() == 1 and target.shape[0] == shape[0]):
+        expected = (shape[0],) + tuple(shape[2:]) if dim >= 2 else ()
         if tuple(target.shape) != expected:
-            raise ValueError(f"target must have shape {expected} for input of shape {tuple(input.shape)} "
+            raise ValueError(f"target must have shape {expected} for input of shape {tuple(shape)} "
                              f"(class dim 1), got {tuple(target.shape)}")
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != num_classes):
         raise ValueError(f"weight must have shape ({num_classes},), one value per class, got {tuple(weight.shape)}")
@@ -584,7 +593,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     """
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "mean", "sum"))
-    _check_same_device(input, target=target, weight=weight)
+    _check_same_device(input, target, weight)
     _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
     if inplace_backward:
         _check_inplace_backward(input, reduction)
