@@ -287,8 +287,8 @@ _COMPILE_LIBRARIES = _define_compile_ops() if COMPILE_OPS else []
 # Pointwise losses (MSE and KL share one Function: only their kernels' math differs).
 #
 # The Functions take their non-tensor arguments as one tuple, `options`: apply inspects
-# each argument it is given, which costs a launch-bound training step about 1 us of host
-# time for 9 arguments (3 on an H100 machine's host).
+# each argument it is given, and launch-bound training steps feel it (an empty Function's
+# apply, desktop CPU: 3.3 us with 12 arguments, 2.4 us with 4).
 
 class _PointwiseLossFunction(torch.autograd.Function):
     @staticmethod
