@@ -82,6 +82,17 @@ def test_kernel_builds_and_binds_its_ops(name, arch):
         assert binding_types(getattr(ops, op)) == schema_types(torch._C.parse_schema(op + declared)), op
 
 
+def test_a_builds_checks_raise_python_errors():
+    """A check in C++ reaches Python as an exception with its message (no GPU needed: the
+    check comes before any CUDA call), and the process goes on."""
+    assert PROBLEM is None, PROBLEM
+    ops = loader.load("mse", arch=ARCHS[0])
+    with pytest.raises(RuntimeError, match="grad must be a contiguous CUDA tensor"):
+        ops.scale_by_grad_output_(torch.zeros(3), torch.ones(()))
+    with pytest.raises(TypeError):  # pybind11's own check of the argument types
+        ops.scale_by_grad_output_(torch.zeros(3))
+
+
 def test_cached_load_is_silent_and_fast():
     """A second process finds the build: no build line, no compiler."""
     assert PROBLEM is None, PROBLEM
