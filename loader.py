@@ -48,8 +48,8 @@ _loaded_extensions: dict[str, object] = {}
 # The Python side of kernel {kernel}'s build (kernels/ops.h declares what it binds),
 # compiled by the host compiler as load_inline's main.cpp, after its
 # #include <torch/extension.h>. pybind11 rather than a torch.ops registration: on an
-# H100 machine's host a call through torch.ops costs about 9 us, through pybind11 about
-# 4 (cross-entropy's 12 arguments), and the small losses are bound by host time.
+# H100 machine's host a call through torch.ops costs 9-11 us, through pybind11 4-7
+# (cross-entropy's 12 arguments; notes, v24), and the small losses are bound by host time.
 # wrap_pybind_function raises torch's Python exceptions (torch.OutOfMemoryError...)
 # where pybind11 alone would raise RuntimeError.
 BINDINGS = """#include "ops.h"
