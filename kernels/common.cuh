@@ -304,21 +304,22 @@ size_t max_dynamic_smem(Kernel kernel, int device) {
 }
 
 // ---------------------------------------------------------------------------------
-// Copy engine and clusters (sm_90, CUDA 12 or later). cp.async.bulk moves a block of
-// global memory into shared memory with no register per byte, and completes an
-// mbarrier that the readers wait on: a block can have a whole row in flight. A cluster
-// of blocks on neighbouring multiprocessors can write each other's shared memory and
-// wait at one barrier. Elsewhere (sm_80, or a CUDA 11.8 build) bulk_copy_supported is
-// false, the launchers do not use kernels that need these, and the helpers trap if called.
+// sm_90 (CUDA 12 or later): the copy engine, clusters and dependent launches.
+// cp.async.bulk moves a block of global memory into shared memory with no register per
+// byte, and completes an mbarrier that the readers wait on: a block can have a whole row
+// in flight. A cluster of blocks on neighbouring multiprocessors can write each other's
+// shared memory and wait at one barrier. Elsewhere (sm_80, or a CUDA 11.8 build)
+// sm90_supported is false, the launchers do not use kernels that need these, and the
+// helpers trap if called.
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
-#define FUSED_LOSSES_BULK_COPY 1
+#define FUSED_LOSSES_SM90 1
 #else
-#define FUSED_LOSSES_BULK_COPY 0
+#define FUSED_LOSSES_SM90 0
 #endif
 
-// Host side: whether this build can launch copy-engine kernels on `device`.
-inline bool bulk_copy_supported(int device) {
+// Host side: whether this build can use sm_90's features on `device`.
+inline bool sm90_supported(int device) {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
   static Remembered<int, bool> supported;
   return supported.get(device, [&] {
@@ -331,27 +332,50 @@ inline bool bulk_copy_supported(int device) {
 #endif
 }
 
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-// A launch of `blocks` blocks (a multiple of `cluster_blocks`) in clusters of
-// `cluster_blocks`. `config` points at `attribute`: not copyable.
-struct ClusterLaunchConfig {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attribute = {};
+// Every kernel here begins with this, before its first access to global memory. On sm_90
+// launch_kernel lets a kernel's blocks start while the kernel before it in the stream
+// finishes (a dependent launch), which hides the launch's 1.5-2 us behind the previous
+// kernel's last blocks (notes, v25); this waits until that kernel has completed and its
+// writes are visible. Elsewhere, and for a normal launch, it returns at once.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if FUSED_LOSSES_SM90
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
-  ClusterLaunchConfig(int64_t blocks, int cluster_blocks, int threads, size_t dynamic_smem, cudaStream_t stream) {
+// Whether `stream` is being captured into a CUDA graph.
+inline bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+// A launch of `blocks` blocks in clusters of `cluster_blocks` (blocks a multiple of it)
+// when that is more than 1, and a dependent launch when `dependent`. `config` points into
+// `attributes`: not copyable.
+struct LaunchConfig {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attributes[2] = {};
+
+  LaunchConfig(int64_t blocks, int cluster_blocks, int threads, size_t dynamic_smem, cudaStream_t stream,
+               bool dependent) {
     config.gridDim = dim3(static_cast<unsigned>(blocks));
     config.blockDim = dim3(threads);
     config.dynamicSmemBytes = dynamic_smem;
     config.stream = stream;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = cluster_blocks;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    config.attrs = attributes;
+    if (cluster_blocks > 1) {
+      attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+      attributes[config.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster_blocks), 1, 1};
+    }
+    if (dependent) {
+      attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
   }
-  ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;
-  ClusterLaunchConfig& operator=(const ClusterLaunchConfig&) = delete;
+  LaunchConfig(const LaunchConfig&) = delete;
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
 };
 #endif
 
@@ -361,7 +385,7 @@ int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
   static Remembered<std::tuple<const void*, int, int, int, size_t>, int64_t> clusters;
   return clusters.get({reinterpret_cast<const void*>(kernel), cluster_blocks, threads, device, dynamic_smem}, [&] {
-    const ClusterLaunchConfig launch(cluster_blocks, cluster_blocks, threads, dynamic_smem, nullptr);
+    const LaunchConfig launch(cluster_blocks, cluster_blocks, threads, dynamic_smem, nullptr, false);
     int count = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, kernel, &launch.config));
     return int64_t(count);
@@ -371,22 +395,25 @@ int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int
 #endif
 }
 
-// Launches kernel<<<blocks, threads, dynamic_smem, stream>>>(args...), in clusters of
-// `cluster_blocks` blocks (blocks a multiple of it) when that is more than 1.
+// Launches kernel<<<blocks, threads, dynamic_smem, stream>>>(args...) on the current
+// device, in clusters of `cluster_blocks` blocks (blocks a multiple of it) when that is
+// more than 1. On sm_90 a dependent launch (wait_for_previous_kernel), except on a stream
+// being captured into a CUDA graph: graphs take dependent launches only from CUDA 12.3 on.
 template <typename... KernelArgs, typename... Args>
-void launch_in_clusters(void (*kernel)(KernelArgs...), int64_t blocks, int threads, size_t dynamic_smem,
-                        int cluster_blocks, cudaStream_t stream, Args&&... args) {
-  if (cluster_blocks == 1) {
-    kernel<<<blocks, threads, dynamic_smem, stream>>>(std::forward<Args>(args)...);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_kernel(void (*kernel)(KernelArgs...), int64_t blocks, int threads, size_t dynamic_smem,
+                   int cluster_blocks, cudaStream_t stream, Args&&... args) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  const bool dependent = sm90_supported(c10::cuda::current_device()) && !is_capturing(stream);
+  if (dependent || cluster_blocks > 1) {
+    const LaunchConfig launch(blocks, cluster_blocks, threads, dynamic_smem, stream, dependent);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...));
     return;
   }
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-  const ClusterLaunchConfig launch(blocks, cluster_blocks, threads, dynamic_smem, stream);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...));
 #else
-  TORCH_CHECK(false, "internal error: a cluster launch in a build without clusters (CUDA < 12)");
+  TORCH_CHECK(cluster_blocks == 1, "internal error: a cluster launch in a build without clusters (CUDA < 12)");
 #endif
+  kernel<<<blocks, threads, dynamic_smem, stream>>>(std::forward<Args>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 __device__ __forceinline__ uint32_t shared_address(const void* ptr) {
@@ -396,7 +423,7 @@ __device__ __forceinline__ uint32_t shared_address(const void* ptr) {
 // Thread 0 initializes, then every thread of the block passes a __syncthreads() before
 // the barrier is used.
 __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #else
@@ -407,7 +434,7 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arriva
 // This block's barrier: one arrival, which expects `bytes` more to land (st.async, or
 // the copy engine's bulk copy).
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
                : "memory");
 #else
@@ -420,7 +447,7 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uin
 // whose phase completes when the bytes have landed. Before it, the caller has ordered
 // the block's earlier reads of `dst` (a __syncthreads()).
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   // The copy engine writes through the async proxy: order the generic proxy's reads first.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   mbarrier_arrive_expect_tx(barrier, bytes);
@@ -438,7 +465,7 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
 // Waits until the barrier's phase of parity `phase` (0 for its first, then 1, 0, ...)
 // has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t phase) {
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   uint32_t done = 0;
   while (!done) {
     asm volatile(
@@ -460,7 +487,7 @@ struct ClusterPlace {
 };
 
 __device__ __forceinline__ ClusterPlace cluster_place() {
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   uint32_t rank, blocks;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\nmov.u32 %1, %%cluster_nctarank;" : "=r"(rank), "=r"(blocks));
   return {static_cast<int>(rank), static_cast<int>(blocks)};
@@ -476,7 +503,7 @@ __device__ __forceinline__ ClusterPlace cluster_place() {
 template <typename V>
 __device__ __forceinline__ void store_to_cluster_block(V* ptr, const V& value, uint64_t* barrier, int rank) {
   static_assert(sizeof(V) % 8 == 0 && alignof(V) >= 8, "sent in 8-byte pieces");
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   uint32_t remote, remote_barrier;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(ptr)), "r"(rank));
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_barrier) : "r"(shared_address(barrier)), "r"(rank));
@@ -496,7 +523,7 @@ __device__ __forceinline__ void store_to_cluster_block(V* ptr, const V& value, u
 // Every thread of every block of the cluster: what each wrote before (to any block's
 // shared memory) is visible to all after.
 __device__ __forceinline__ void cluster_sync() {
-#if FUSED_LOSSES_BULK_COPY
+#if FUSED_LOSSES_SM90
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
   __trap();
@@ -577,6 +604,7 @@ __device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
 
 __global__ void finish_sum_kernel(Finish finish) {
   __shared__ sum_t scratch[32];
+  wait_for_previous_kernel();
   finish_partials(finish, scratch);
 }
 
@@ -604,10 +632,7 @@ __device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t
 // graph may be replayed on another stream, beside launches on this one. nullptr for
 // cudaStreamPerThread too: one handle that names another stream in each host thread.
 inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
-  if (stream == cudaStreamPerThread) return nullptr;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  if (stream == cudaStreamPerThread || is_capturing(stream)) return nullptr;
   static Remembered<std::pair<int, cudaStream_t>, unsigned int*> tickets;
   return tickets.get({device, stream}, [&] {
     // A tensor never destroyed: its memory stays ours, and no destructor runs after the
@@ -637,8 +662,7 @@ inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, 
 // After the loss kernel: the finish it could not do itself (no ticket), in a launch of its own.
 inline void finish_without_ticket(const Finish& finish, cudaStream_t stream) {
   if (finish.partials == nullptr || finish.ticket != nullptr) return;
-  finish_sum_kernel<<<1, kFinishThreads, 0, stream>>>(finish);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(finish_sum_kernel, 1, kFinishThreads, 0, 1, stream, finish);
 }
 
 // ---------------------------------------------------------------------------------
@@ -649,6 +673,7 @@ inline void finish_without_ticket(const Finish& finish, cudaStream_t stream) {
 template <typename T, int VEC>
 __global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output) {
   using acc_t = at::opmath_type<T>;
+  wait_for_previous_kernel();
   const acc_t scale = static_cast<acc_t>(*grad_output);
   if (scale == acc_t(1)) return;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -682,8 +707,8 @@ void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
     const bool vector_ok = is_aligned16(grad.data_ptr());
     auto kernel = vector_ok ? scale_by_grad_output_kernel<scalar_t, VEC> : scale_by_grad_output_kernel<scalar_t, 1>;
     const int64_t grid = grid_for(kernel, vector_ok ? grad.numel() / VEC + 1 : grad.numel(), threads, grad.get_device());
-    kernel<<<grid, threads, 0, stream>>>(grad.data_ptr<scalar_t>(), grad.numel(), grad_output.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(kernel, grid, threads, 0, 1, stream, grad.data_ptr<scalar_t>(), grad.numel(),
+                  grad_output.data_ptr<scalar_t>());
   });
 }
 
@@ -809,6 +834,7 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
                                                              Op op, Finish finish) {
   using acc_t = at::opmath_type<T>;
   __shared__ sum_t scratch[32];
+  wait_for_previous_kernel();
   const acc_t grad_scale = static_cast<acc_t>(args.grad_scale);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
@@ -872,8 +898,7 @@ void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, 
       partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
       finish = make_finish(partials.data_ptr<sum_t>(), 1, grid, args.grad_scale, nullptr, 0, *scalar_loss, stream);
     }
-    kernel<<<grid, threads, 0, stream>>>(ptr, args, op, finish);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(kernel, grid, threads, 0, 1, stream, ptr, args, op, finish);
     finish_without_ticket(finish, stream);
   };
   if (vector_ok && sum_only) {

@@ -363,6 +363,7 @@ template <typename index_t, typename acc_t>
 __global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_t num_classes,
                                      int64_t ignore_index, const acc_t* weight, sum_t* divisors) {
   __shared__ sum_t scratch[32];
+  wait_for_previous_kernel();
   count_block_targets(target, rows, num_classes, ignore_index, weight, scratch, divisors);
 }
 
@@ -556,6 +557,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   // Constant false in kSumOnly: the gradient pass below compiles out.
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
+  wait_for_previous_kernel();
   const GradientScales<acc_t> scales = gradient_scales<T, index_t, kProbs>(params, want_grad, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in team leaders
 
@@ -724,7 +726,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   finish_if_last_block(params.finish, scratch_sum);
 }
 
-// sm_90 (bulk_copy_supported): the gradient of rows too long for registers, class-index targets
+// sm_90 (sm90_supported): the gradient of rows too long for registers, class-index targets
 // without label smoothing. Rows come into shared memory by the copy engine, params.stages
 // deep: while a block works on one row, the next rows' bytes are already on their way
 // into its other stages, so the reads wait neither for its reductions nor for its
@@ -753,6 +755,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   using acc_t = at::opmath_type<T>;
   using Pair = MaxSum<acc_t, exp_sum_type<T>>;
   using Part = RowPart<acc_t, exp_sum_type<T>>;
+  wait_for_previous_kernel();
   __shared__ Pair scratch_pair[32];
   __shared__ sum_t scratch_sum[32];
   __shared__ acc_t target_logit_here;
@@ -1156,7 +1159,7 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     // Long rows' gradients on sm_90: the pipelined kernel, where its stages fit.
     RowLaunch launch{0, 0, 0, 0};
     if constexpr (!Cfg::probs && !Cfg::class_sums && sizeof(T) <= 4) {
-      if (streamed && want_grad && bulk_copy_supported(device)) {
+      if (streamed && want_grad && sm90_supported(device)) {
         auto pipelined = cross_entropy_pipelined_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>;
         launch = pipelined_launch(pipelined, rows, num_packs, sizeof(Pack<T, Cfg::vec>), device);
         if (launch.blocks > 0) kernel = pipelined;
@@ -1183,12 +1186,12 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     params.grad_target = data_or_null<T>(out.grad_target);
     params.stash_packs = launch.stash_packs;
     params.stages = launch.stages;
-    auto launch_kernel = [&] {
-      launch_in_clusters(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks, stream,
-                         params);
+    auto run_loss_kernel = [&] {
+      launch_kernel(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks, stream,
+                    params);
     };
     if (!scalar_loss) {
-      launch_kernel();
+      run_loss_kernel();
       return;
     }
     // 'mean' with class indices divides by what count_targets finds. A gradient needs it
@@ -1216,14 +1219,13 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     } else if (counted_here) {
       params.counted_divisors = divisors;
     } else if (divided) {
-      count_kernel<<<num_divisors, count_threads, 0, stream>>>(
-          in.target.data_ptr<index_t>(), rows, params.num_classes, in.ignore_index, params.weight, divisors);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(count_kernel, num_divisors, count_threads, 0, 1, stream, in.target.data_ptr<index_t>(), rows,
+                    params.num_classes, in.ignore_index, params.weight, divisors);
       params.divisors = divisors;
       params.num_divisors = num_divisors;
     }
     params.finish = make_finish(partials, 2, num_partials, params.ce_scale, divisors, num_divisors, out.loss, stream);
-    launch_kernel();
+    run_loss_kernel();
     finish_without_ticket(params.finish, stream);
   });
 }
