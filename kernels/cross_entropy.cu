@@ -338,7 +338,9 @@ __device__ __forceinline__ void count_targets(const index_t* target, int64_t fir
     weight_sum += t >= 0 && t < num_classes ? class_weight(weight, t) : acc_t(1);
   }
   weight_sum = block_sum(weight_sum, scratch);
-  count = block_sum(count, scratch);
+  // Without class weights every counted target weighs 1: the same sum, and a block
+  // reduction fewer at the end of the sum-only kernels (notes, v25).
+  count = weight == nullptr ? weight_sum : block_sum(count, scratch);
 }
 
 // Many rows: per block, the two divisors as doubles in `divisors` (2, gridDim.x), summed
@@ -391,7 +393,7 @@ struct CrossEntropyParams {
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
   at::opmath_type<T>* lse;  // (rows)
-  Finish finish;          // partials (2, gridDim.x): per block, the sum of ce and of z
+  Finish finish;          // partials (2, gridDim.x): per block, the sum of ce and of z (a term with z_loss)
   T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
   T* grad_target;         // (rows, C): probabilities
   // Rows beyond the register cache, when a gradient is written: how many packs of the
@@ -711,7 +713,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   if (params.finish.partials == nullptr) return;
   if constexpr (kWarpRows) {  // each warp's leader holds its rows' sums
     block_ce = block_sum(block_ce, scratch_sum);
-    block_z = block_sum(block_z, scratch_sum);
+    if (params.z_loss != 0) block_z = block_sum(block_z, scratch_sum);  // else no term reads it
   }
   if (threadIdx.x == 0) {
     params.finish.partials[blockIdx.x] = block_ce;
@@ -1224,7 +1226,9 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
       params.divisors = divisors;
       params.num_divisors = num_divisors;
     }
-    params.finish = make_finish(partials, 2, num_partials, params.ce_scale, divisors, num_divisors, out.loss, stream);
+    // The z term only with z_loss: without, the finish adds one term, as torch's loss has.
+    params.finish = make_finish(partials, in.z_loss != 0 ? 2 : 1, num_partials, params.ce_scale, divisors,
+                                num_divisors, out.loss, stream);
     run_loss_kernel();
     finish_without_ticket(params.finish, stream);
   });
