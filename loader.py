@@ -52,12 +52,14 @@ _loaded_extensions: dict[str, object] = {}
 # (cross-entropy's 12 arguments; notes, v24), and the small losses are bound by host time.
 # wrap_pybind_function raises torch's Python exceptions (torch.OutOfMemoryError...)
 # where pybind11 alone would raise RuntimeError.
-BINDINGS = """#include "ops.h"
+BINDINGS = """#include "autograd_node.h"
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
   m.def("forward", torch::wrap_pybind_function(fused_losses::{kernel}_forward));
   m.def("backward", torch::wrap_pybind_function(fused_losses::{kernel}_backward));
   m.def("scale_by_grad_output_", torch::wrap_pybind_function(fused_losses::scale_by_grad_output_));
+  m.def("attach_saved_gradients", torch::wrap_pybind_function(fused_losses::attach_saved_gradients));
 }}
 """
 _toolkit_checked = False
@@ -71,25 +73,27 @@ class BuildError(RuntimeError):
 # What a build is: sources, arch, cache key.
 
 def kernel_sources(name: str) -> dict[str, str]:
-    """kernels/<name>.cu and every kernels/ header it includes (recursively), by file name,
-    and the bindings (BINDINGS) as main.cpp."""
+    """kernels/<name>.cu, the bindings (BINDINGS) as main.cpp, and every kernels/ header
+    either includes (recursively), by file name."""
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
-    sources: dict[str, str] = {}
-    pending = [path]
+    sources = {"main.cpp": BINDINGS.format(kernel=name)}
+    pending = [path, *_included_headers(sources["main.cpp"])]
     while pending:
         file = pending.pop()
         if file.name in sources:
             continue
         text = file.read_text()
         sources[file.name] = text
-        for included in re.findall(r'^\s*#\s*include\s*"([^"]+)"', text, flags=re.M):
-            header = KERNEL_DIR / included
-            if header.is_file():
-                pending.append(header)
-    sources["main.cpp"] = BINDINGS.format(kernel=name)
+        pending.extend(_included_headers(text))
     return sources
+
+
+def _included_headers(text: str) -> list[Path]:
+    """The kernels/ headers that C++ source text includes ("..." includes only)."""
+    found = (KERNEL_DIR / name for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', text, flags=re.M))
+    return [header for header in found if header.is_file()]
 
 
 def normalize_arch(arch: str) -> str:

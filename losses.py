@@ -145,18 +145,10 @@ def _check_no_create_graph() -> None:
 
 
 def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
-    """Backward of a scalar loss whose forward wrote the gradients: scale them in place
-    by grad_output on the GPU (a no-op there when it is 1) and hand them to autograd.
-    They are held by save_for_backward, which autograd releases before it accumulates,
-    so they become .grad without a copy."""
-    # Under torch.compile this Python runs once, at trace time, and the compiled graph is
-    # functional: the scale below writes a copy of the saved gradient, so a second
-    # backward is correct there and nothing needs checking.
-    if not is_compiling():
-        if ctx.grads_consumed:
-            raise RuntimeError("this fused loss computed its gradient in the forward pass and has already "
-                               "used it: backward through it twice (retain_graph=True) is not supported")
-        ctx.grads_consumed = True
+    """Backward of a scalar loss whose forward wrote the gradients, under torch.compile
+    (eagerly, kernels/autograd_node.h's node does this): scale them by grad_output and
+    hand them to autograd. The compiled graph is functional: the scale writes a copy of
+    the saved gradient, so a second backward is correct there and nothing needs checking."""
     grads = ctx.saved_tensors
     present = [grad for grad in grads if grad is not None]
     dtype = present[0].dtype
@@ -284,11 +276,22 @@ _COMPILE_LIBRARIES = _define_compile_ops() if COMPILE_OPS else []
 
 
 # ----------------------------------------------------------------------------------
-# Pointwise losses (MSE and KL share one Function: only their kernels' math differs).
+# Autograd.
 #
-# The Functions take their non-tensor arguments as one tuple, `options`: apply inspects
-# each argument it is given, and launch-bound training steps feel it (an empty Function's
-# apply, desktop CPU: 3.3 us with 12 arguments, 2.4 us with 4).
+# Eagerly, a scalar loss with grad gets its grad_fn in C++ (ops.attach_saved_gradients,
+# kernels/autograd_node.h): its forward kernel wrote the gradients, and backward only
+# scales them by grad_output. The Python Functions below serve reduction 'none' (whose
+# backward runs the backward kernel) and torch.compile, which traces them (it cannot
+# trace the C++ node). They take their non-tensor arguments as one tuple, `options`:
+# apply inspects each argument it is given (an empty Function's apply, desktop CPU:
+# 3.3 us with 12 arguments, 2.4 us with 4).
+
+def _use_python_function(want_grads: bool, reduction: str) -> bool:
+    return want_grads and (reduction == "none" or is_compiling())
+
+
+# ----------------------------------------------------------------------------------
+# Pointwise losses (MSE and KL share one Function: only their kernels' math differs).
 
 class _PointwiseLossFunction(torch.autograd.Function):
     @staticmethod
@@ -299,7 +302,6 @@ class _PointwiseLossFunction(torch.autograd.Function):
             *op_args)
         ctx.kernel, ctx.reduction, ctx.op_args = kernel, reduction, op_args
         ctx.want_grads = (want_grad_input, want_grad_target)
-        ctx.grads_consumed = False
         if reduction == "none":
             ctx.save_for_backward(input, target)
         else:
@@ -350,11 +352,15 @@ def _pointwise_operands(input: torch.Tensor, target: torch.Tensor):
 def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
     (input, target), float_loss = _autocast_operands(reduction, input, target)
     want_grad_input, want_grad_target = _wants_grad(input), _wants_grad(target)
-    if not (want_grad_input or want_grad_target):  # no graph to record: skip autograd's bookkeeping
-        ops = _ops(kernel, input.device)
-        return ops.forward(input, target, REDUCTION_CODES[reduction], scale, float_loss, False, False, *op_args)[0]
-    return _PointwiseLossFunction.apply(input, target, (kernel, reduction, scale, float_loss, tuple(op_args),
-                                                        want_grad_input, want_grad_target))
+    if _use_python_function(want_grad_input or want_grad_target, reduction):
+        return _PointwiseLossFunction.apply(input, target, (kernel, reduction, scale, float_loss, tuple(op_args),
+                                                            want_grad_input, want_grad_target))
+    ops = _ops(kernel, input.device)
+    loss, grad_input, grad_target = ops.forward(input, target, REDUCTION_CODES[reduction], scale, float_loss,
+                                                want_grad_input, want_grad_target, *op_args)
+    if not (want_grad_input or want_grad_target):  # no graph to record
+        return loss
+    return ops.attach_saved_gradients(loss, input, grad_input, target, grad_target)
 
 
 # ----------------------------------------------------------------------------------
@@ -443,19 +449,15 @@ class MSELoss(nn.MSELoss):
 
 class _CrossEntropyFunction(torch.autograd.Function):
     """(N, C) logits; target (N,) class indices or (N, C) probabilities. Returns the loss;
-    with want_lse a tuple, (loss, lse). With inplace the logits' buffer holds their
-    gradient afterwards and their version counter is bumped, so autograd refuses any
-    saved use of what they held before. (Not mark_dirty: a Function that dirties a view
-    may return only one tensor, and logits.view(-1, C) is how models hand them over.)"""
+    with want_lse a tuple, (loss, lse)."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, options):
-        (ignore_index, reduction, float_loss, label_smoothing, z_loss, want_grad_logits, want_grad_target, want_lse,
-         inplace) = options
+        ignore_index, reduction, float_loss, label_smoothing, z_loss, want_grad_logits, want_grad_target, want_lse = options
         loss, grad_logits, grad_target, lse = _ops("cross_entropy", logits.device).forward(
             logits, target, weight, ignore_index, REDUCTION_CODES[reduction], float_loss, label_smoothing, z_loss,
-            want_grad_logits, want_grad_target, want_lse, inplace)
-        ctx.kernel, ctx.reduction, ctx.grads_consumed = "cross_entropy", reduction, False
+            want_grad_logits, want_grad_target, want_lse, False)
+        ctx.kernel, ctx.reduction = "cross_entropy", reduction
         ctx.arguments = (ignore_index, label_smoothing, z_loss)
         ctx.want_grads = (want_grad_logits, want_grad_target)
         if reduction == "none":
@@ -469,8 +471,6 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if want_lse:
             ctx.mark_non_differentiable(lse)
             outputs += (lse,)
-        if inplace:
-            _mark_overwritten(logits)
         return outputs if len(outputs) > 1 else loss
 
     @staticmethod
@@ -621,19 +621,26 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
         rows_target = target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1)
     want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
+    want_grads = want_grad_logits or want_grad_target
     arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
-    if want_grad_logits or want_grad_target:
-        # Compiled graphs are functional: there the gradient gets its own memory.
-        inplace = inplace_backward and want_grad_logits and not is_compiling()
+    if _use_python_function(want_grads, reduction):
+        outputs = _CrossEntropyFunction.apply(logits, rows_target, weight,
+                                              (*arguments, want_grad_logits, want_grad_target, return_lse))
+        loss, lse = outputs if return_lse else (outputs, None)
+    else:
+        # Compiled graphs are functional (the gradient gets its own memory there); inplace
+        # is eager only.
+        inplace = inplace_backward and want_grad_logits
         if inplace and not logits.is_contiguous():
             logits = logits.contiguous()
-        outputs = _CrossEntropyFunction.apply(logits, rows_target, weight, (*arguments, want_grad_logits,
-                                                                            want_grad_target, return_lse, inplace))
-        loss, lse = outputs if return_lse else (outputs, None)
-    else:  # no graph to record: skip autograd's bookkeeping
         ops = _ops("cross_entropy", input.device)
-        loss, _, _, lse = ops.forward(logits, rows_target, weight, arguments[0], REDUCTION_CODES[reduction],
-                                      *arguments[2:], False, False, return_lse, False)
+        loss, grad_logits, grad_target, lse = ops.forward(
+            logits, rows_target, weight, arguments[0], REDUCTION_CODES[reduction], *arguments[2:], want_grad_logits,
+            want_grad_target, return_lse, inplace)
+        if inplace:
+            _mark_overwritten(logits)
+        if want_grads:
+            loss = ops.attach_saved_gradients(loss, logits, grad_logits, rows_target, grad_target)
     if dim == 2 or not (reduction == "none" or return_lse):
         return (loss, lse) if return_lse else loss
     row_shape = input.shape[:1] + input.shape[2:] if dim > 1 else torch.Size()

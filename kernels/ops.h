@@ -5,7 +5,8 @@
 // headers in some CUDA releases). Both include this file: the bindings call what is
 // declared here, and a definition whose arguments drift from it leaves the declared
 // function undefined, which the first load reports by name. Every kernel has
-// <kernel>_forward and <kernel>_backward; scale_by_grad_output_ is common.cuh's.
+// <kernel>_forward and <kernel>_backward; scale_by_grad_output_ is common.cuh's. The
+// bindings also bind autograd_node.h's attach_saved_gradients (host code, not a kernel op).
 // losses.py's KERNEL_OPS repeats these signatures as schemas for torch.compile.
 #pragma once
 

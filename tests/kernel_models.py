@@ -1,7 +1,7 @@
 """Python models of the kernel ops: same signatures and outputs as kernels/*.cu, in torch
 ops, so that tests without a GPU can run losses.py's fused path on CPU tensors (the
 kernels_modelled_on_cpu fixture in conftest.py). They prove the plumbing (what reaches
-the ops, what autograd and torch.compile make of their outputs), never the kernels."""
+the ops, what autograd and torch.compile make of their outputs), never the kernels. Kernel ops run below autograd, and so do the models (no_grad)."""
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +11,7 @@ NONE, MEAN = losses.REDUCTION_CODES["none"], losses.REDUCTION_CODES["mean"]
 
 def pointwise_model(math):
     """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element."""
+    @torch.no_grad()
     def forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target, *op_args):
         loss, grad_input, grad_target = math(input, target, *op_args)
         if reduction == NONE:
@@ -19,6 +20,7 @@ def pointwise_model(math):
                 grad_input * scale if want_grad_input else input.new_empty(0),
                 grad_target * scale if want_grad_target else input.new_empty(0))
 
+    @torch.no_grad()
     def backward(input, target, grad_output, want_grad_input, want_grad_target, *op_args):
         _, grad_input, grad_target = math(input, target, *op_args)
         return (grad_input * grad_output if want_grad_input else input.new_empty(0),
@@ -88,6 +90,7 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
     return loss, grads, lse
 
 
+@torch.no_grad()
 def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
                           want_grad_logits, want_grad_target, want_lse, inplace):
     name = REDUCTION_NAMES[reduction]
@@ -100,6 +103,7 @@ def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float
             lse if want_lse else lse.new_empty(0))
 
 
+@torch.no_grad()
 def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
                            want_grad_logits, want_grad_target):
     _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, "none", label_smoothing, z_loss,
@@ -109,6 +113,34 @@ def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing
 
 def scale_by_grad_output_(grad, grad_output):
     grad.mul_(grad_output)
+
+
+class _ScaleSavedGradients(torch.autograd.Function):
+    """kernels/autograd_node.h's node: backward scales the gradients the forward wrote."""
+
+    @staticmethod
+    def forward(ctx, input, target, loss_and_grads):
+        loss, ctx.grads = loss_and_grads
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if torch.is_grad_enabled():
+            raise RuntimeError("model of the fused losses' node: no second derivative (create_graph=True)")
+        if ctx.used:
+            raise RuntimeError("model of the fused losses' node: its gradient is already used (retain_graph=True)")
+        ctx.used = True
+        for grad in ctx.grads:
+            if grad is not None:
+                scale_by_grad_output_(grad, grad_output.to(grad.dtype))
+        return (*ctx.grads, None)
+
+
+def attach_saved_gradients(loss, input, grad_input, target, grad_target):
+    grads = tuple(grad if operand.requires_grad else None
+                  for operand, grad in ((input, grad_input), (target, grad_target)))
+    return _ScaleSavedGradients.apply(input, target, (loss, grads))
 
 
 MODELS = {

@@ -40,8 +40,7 @@ def forward_calls(kernels_modelled_on_cpu, monkeypatch):
         def forward(*args):
             calls.append((kernel, args))
             return ops.forward(*args)
-        return types.SimpleNamespace(forward=forward, backward=ops.backward,
-                                     scale_by_grad_output_=ops.scale_by_grad_output_)
+        return types.SimpleNamespace(**{**vars(ops), "forward": forward})
     monkeypatch.setattr(losses, "_ops", spied)
     monkeypatch.setattr(losses, "_under_autocast", lambda tensor: True)
     return calls

@@ -93,6 +93,22 @@ def test_a_builds_checks_raise_python_errors():
         ops.scale_by_grad_output_(torch.zeros(3))
 
 
+def test_a_builds_autograd_node_wires_the_graph_and_refuses_a_second_derivative():
+    """kernels/autograd_node.h, on CPU tensors (its checks come before any CUDA call): the
+    loss gets the node as its grad_fn, whose next edges are input's and target's."""
+    assert PROBLEM is None, PROBLEM
+    ops = loader.load("mse", arch=ARCHS[0])
+    leaf = torch.randn(3, requires_grad=True)
+    input, target = leaf * 2, torch.randn(3)
+    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None)
+    assert loss.requires_grad and loss.grad_fn.name() == "FusedLossBackward"
+    assert [edge[0] for edge in loss.grad_fn.next_functions] == [input.grad_fn, None]
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match="loss must be a 0-dim tensor without a grad_fn"):
+        ops.attach_saved_gradients(loss, input, None, target, None)
+
+
 def test_cached_load_is_silent_and_fast():
     """A second process finds the build: no build line, no compiler."""
     assert PROBLEM is None, PROBLEM

@@ -47,3 +47,40 @@ def test_create_graph_raises_on_cpu_models(name, reduction, kernels_modelled_on_
 @pytest.mark.parametrize("name,reduction", CREATE_GRAPH_CASES, ids=str)
 def test_create_graph_raises(name, reduction):
     check_create_graph_raises(LOSSES[name].fused(reduction), LOSSES[name].inputs(7, 100, torch.float32))
+
+
+# ----------------------------------------------------------------------------------
+# The eager node of a scalar loss (kernels/autograd_node.h): it hands on the gradient the
+# forward wrote, once.
+
+SCALAR_CASES = [(name, reduction) for name, loss in LOSSES.items() for reduction in loss.reductions
+                if reduction != "none"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,reduction", SCALAR_CASES, ids=str)
+def test_backward_twice_with_retain_graph_raises_clearly(name, reduction):
+    inputs = LOSSES[name].inputs(7, 1000, torch.float32)
+    leaf = inputs[0].requires_grad_()
+    loss = LOSSES[name].fused(reduction)(*inputs)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through it twice"):
+        loss.backward()
+    assert leaf.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_gradient_becomes_grad_without_a_copy(name):
+    """backward allocates nothing the size of the input: the gradient written in the
+    forward pass becomes .grad itself."""
+    inputs = LOSSES[name].inputs(512, 1000, torch.float32)
+    leaf = inputs[0].requires_grad_()
+    loss = LOSSES[name].fused("sum")(*inputs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < leaf.numel() * leaf.element_size()
+    assert loss.grad_fn.name() == "FusedLossBackward"

@@ -46,7 +46,7 @@ def fake_toolkit(root: Path, release: str, with_cudart: bool = True) -> Path:
 def test_sources_include_the_shared_headers_and_the_bindings():
     for name in loader.KERNELS:
         sources = loader.kernel_sources(name)
-        assert set(sources) == {f"{name}.cu", "common.cuh", "ops.h", "main.cpp"}
+        assert set(sources) == {f"{name}.cu", "common.cuh", "ops.h", "autograd_node.h", "main.cpp"}
         assert f"fused_losses::{name}_forward" in sources["main.cpp"]
 
 

@@ -1,0 +1,90 @@
+// autograd_node.h: the autograd node of an eager scalar loss whose forward wrote its
+// gradients. Included by the bindings only (loader.py's BINDINGS, host compiler).
+//
+// Why C++: a launch-bound training step is bound by host time, and a Python
+// autograd.Function costs 10-37 us a step more than this node (notes, v19 and v26): its
+// apply, and its backward, which runs Python on autograd's device thread (and takes the
+// GIL there). torch.compile cannot trace this node; under it losses.py uses its Python
+// Functions, whose graphs are functional.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Optional.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "ops.h"
+
+namespace fused_losses {
+
+// backward: scales the saved gradients in place by grad_output (on the GPU, no work when
+// it is 1) and hands them on. The node holds their only reference, so autograd makes
+// them .grad without a copy.
+struct ScaleSavedGradients : torch::autograd::Node {
+  torch::autograd::variable_list grads;  // one per next edge; undefined where none is wanted
+  bool used = false;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override {
+    // Grad mode is on in backward only for create_graph=True, whose gradients are to be
+    // differentiated again; these have no graph (the kernel wrote them), so a second
+    // derivative through them would silently treat them as constants.
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "the fused losses have no second derivative: backward(create_graph=True) or "
+                "torch.autograd.grad(..., create_graph=True) through one would treat its gradient as a constant; "
+                "use torch.nn.functional's loss where the gradient is differentiated again");
+    TORCH_CHECK(!used,
+                "this fused loss computed its gradient in the forward pass and has already used it: "
+                "backward through it twice (retain_graph=True) is not supported");
+    used = true;
+    torch::autograd::variable_list out = std::exchange(grads, {});
+    const at::Tensor& grad_output = grad_outputs[0];
+    for (at::Tensor& grad : out) {
+      if (!grad.defined()) continue;
+      const bool usable = grad_output.dim() == 0 && grad_output.scalar_type() == grad.scalar_type();
+      scale_by_grad_output_(grad, usable ? grad_output : grad_output.reshape({}).to(grad.scalar_type()));
+    }
+    return out;
+  }
+
+  void release_variables() override { grads.clear(); }
+
+  std::string name() const override { return "FusedLossBackward"; }
+};
+
+// Makes node the grad_fn of loss, whose gradient flows on to input and target. torch 2.0
+// holds nodes in shared_ptr, later versions in intrusive_ptr.
+using NodePtr = std::decay_t<decltype(std::declval<const at::TensorBase&>().grad_fn())>;
+
+template <typename N>
+NodePtr new_node() {  // a template, so that only the branch for this torch is compiled
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// loss: the 0-dim result of a forward that also wrote grad_input and grad_target (None
+// where not asked for). Returns loss, now with a ScaleSavedGradients grad_fn whose next
+// edges are input's and target's.
+inline at::Tensor attach_saved_gradients(at::Tensor loss, const at::Tensor& input,
+                                         const c10::optional<at::Tensor>& grad_input, const at::Tensor& target,
+                                         const c10::optional<at::Tensor>& grad_target) {
+  TORCH_CHECK(loss.dim() == 0 && !loss.requires_grad(), "loss must be a 0-dim tensor without a grad_fn");
+  NodePtr node = new_node<ScaleSavedGradients>();
+  auto* scale = static_cast<ScaleSavedGradients*>(node.get());
+  auto wanted = [](const at::Tensor& operand, const c10::optional<at::Tensor>& grad) {
+    return operand.requires_grad() && grad.has_value() ? *grad : at::Tensor();
+  };
+  scale->grads = {wanted(input, grad_input), wanted(target, grad_target)};
+  node->set_next_edges(torch::autograd::collect_next_edges(input, target));
+  torch::autograd::set_history(loss, node);
+  return loss;
+}
+
+}  // namespace fused_losses
