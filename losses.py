@@ -628,8 +628,8 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
                                               (*arguments, want_grad_logits, want_grad_target, return_lse))
         loss, lse = outputs if return_lse else (outputs, None)
     else:
-        # Compiled graphs are functional (the gradient gets its own memory there); inplace
-        # is eager only.
+        # No grad, or eager training (a compiled graph takes the Function above, where
+        # graphs are functional and inplace_backward does nothing).
         inplace = inplace_backward and want_grad_logits
         if inplace and not logits.is_contiguous():
             logits = logits.contiguous()
