@@ -841,16 +841,21 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
   const bool need_loss = finish.partials != nullptr || ptr.loss_out != nullptr;
   constexpr int batch = Op::kBatch;
   sum_t thread_sum = 0;
+  // The packs of a thread's batch lie batch_gap apart. The sum-only forward reads a
+  // block's batch as one run of batch x blockDim packs (the grid strides over such runs):
+  // MSE 32768^2 fp32 forward 2.776 -> 2.745 ms. The passes that write keep a batch's packs
+  // a grid apart (that way the 8192^2 bf16 training kernel is 0.1406 ms, against 0.1423).
+  const int64_t batch_gap = kSumOnly ? blockDim.x : stride;
   PointwiseInputs<T, VEC> loaded[batch];
   auto load_batch = [&](int64_t first_pack) {
 #pragma unroll
     for (int u = 0; u < batch; ++u) {
-      if (first_pack + u * stride < num_packs) {
-        loaded[u] = load_pointwise<VEC, kSumOnly>(ptr, (first_pack + u * stride) * VEC);
+      if (first_pack + u * batch_gap < num_packs) {
+        loaded[u] = load_pointwise<VEC, kSumOnly>(ptr, (first_pack + u * batch_gap) * VEC);
       }
     }
   };
-  int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t p = int64_t(blockIdx.x) * (kSumOnly ? batch * blockDim.x : blockDim.x) + threadIdx.x;
   if constexpr (Op::kPrefetch) load_batch(p);
   for (; p < num_packs; p += batch * stride) {
     if constexpr (!Op::kPrefetch) load_batch(p);
@@ -860,8 +865,8 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
     if constexpr (Op::kPrefetch) load_batch(p + batch * stride);
 #pragma unroll
     for (int u = 0; u < batch; ++u) {
-      if (p + u * stride < num_packs) {
-        thread_sum += pointwise_pack<VEC, kSumOnly>(ptr, (p + u * stride) * VEC, v[u], grad_scale, need_loss, op);
+      if (p + u * batch_gap < num_packs) {
+        thread_sum += pointwise_pack<VEC, kSumOnly>(ptr, (p + u * batch_gap) * VEC, v[u], grad_scale, need_loss, op);
       }
     }
   }
