@@ -23,6 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 from torch.nn import _reduction
 
 if __package__:  # copied into a project as a package: from fused_losses import losses
@@ -90,6 +91,12 @@ def _check_fallback_allowed(loss: str, why: str, input: torch.Tensor) -> None:
     if input.is_cuda and os.environ.get("FUSED_LOSSES_STRICT") == "1":
         raise RuntimeError(f"{loss}: {why}, so the fused kernel does not run here "
                            "(FUSED_LOSSES_STRICT=1 forbids torch fallbacks on CUDA tensors)")
+
+
+def _in_forward_ad() -> bool:
+    """Inside torch.autograd.forward_ad.dual_level(): the kernels carry no tangents (their
+    outputs would silently have none), torch's ops do."""
+    return forward_ad._current_level >= 0
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -327,6 +334,8 @@ def _pointwise_fusable(input: torch.Tensor, target: torch.Tensor) -> str | None:
     """Why the fused kernel cannot take these tensors, or None when it can."""
     if not (input.is_cuda and target.is_cuda):
         return "CPU tensors"
+    if _in_forward_ad():
+        return "forward-mode AD (dual tensors)"
     same = input.dtype == target.dtype and input.shape == target.shape  # the usual case, checked cheaply
     dtype = input.dtype if same else torch.promote_types(input.dtype, target.dtype)
     if dtype not in FUSED_DTYPES:
@@ -540,6 +549,8 @@ def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_sm
 def _cross_entropy_fusable(input, target, weight) -> str | None:
     if not input.is_cuda:
         return "CPU tensors"
+    if _in_forward_ad():
+        return "forward-mode AD (dual tensors)"
     if input.dtype not in FUSED_DTYPES:
         return f"dtype {input.dtype} has no kernel"
     if target.is_floating_point():

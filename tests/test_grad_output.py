@@ -1,9 +1,12 @@
-"""loss * 2.5 before backward, every loss (GPU): a scalar loss's gradient is written in
-the forward pass and scaled by grad_output in backward; this is the case that gets wrong."""
+"""Gradients beyond loss.backward(), every loss (GPU unless noted): grad_output other than
+one (a scalar loss's gradient is written in the forward pass and scaled by grad_output in
+backward: the case that gets it wrong), create_graph, a second backward, .grad without a
+copy, forward-mode AD."""
 import itertools
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from helpers import LOSSES, check_against_float64
 
@@ -84,3 +87,25 @@ def test_gradient_becomes_grad_without_a_copy(name):
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < leaf.numel() * leaf.element_size()
     assert loss.grad_fn.name() == "FusedLossBackward"
+
+
+# ----------------------------------------------------------------------------------
+# Forward-mode AD: the kernels carry no tangents, so inside a dual level torch runs (an
+# output without its tangent would be a silent wrong answer); strict mode says so.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,reduction", CREATE_GRAPH_CASES, ids=str)
+def test_forward_mode_ad_runs_torch(name, reduction, monkeypatch):
+    loss = LOSSES[name]
+    inputs = loss.inputs(7, 100, torch.float32)
+    tangent = torch.randn_like(inputs[0])
+    with fwAD.dual_level():
+        dual = [fwAD.make_dual(inputs[0], tangent), *inputs[1:]]
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            loss.fused(reduction)(*dual)
+        monkeypatch.delenv("FUSED_LOSSES_STRICT")
+        ours = fwAD.unpack_dual(loss.fused(reduction)(*dual))
+        theirs = fwAD.unpack_dual(loss.reference(reduction)(*dual))
+    assert ours.tangent is not None
+    torch.testing.assert_close(ours.primal, theirs.primal)
+    torch.testing.assert_close(ours.tangent, theirs.tangent)
