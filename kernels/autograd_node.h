@@ -43,6 +43,9 @@ struct ScaleSavedGradients : torch::autograd::Node {
     used = true;
     torch::autograd::variable_list out = std::exchange(grads, {});
     const at::Tensor& grad_output = grad_outputs[0];
+    // No gradient reached the loss (a later node gave it none): none flows on, as from
+    // torch's own nodes.
+    if (!grad_output.defined()) return torch::autograd::variable_list(out.size());
     for (at::Tensor& grad : out) {
       if (!grad.defined()) continue;
       const bool usable = grad_output.dim() == 0 && grad_output.scalar_type() == grad.scalar_type();

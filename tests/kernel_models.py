@@ -122,6 +122,7 @@ class _ScaleSavedGradients(torch.autograd.Function):
     def forward(ctx, input, target, loss_and_grads):
         loss, ctx.grads = loss_and_grads
         ctx.used = False
+        ctx.set_materialize_grads(False)
         return loss
 
     @staticmethod
@@ -131,6 +132,8 @@ class _ScaleSavedGradients(torch.autograd.Function):
         if ctx.used:
             raise RuntimeError("model of the fused losses' node: its gradient is already used (retain_graph=True)")
         ctx.used = True
+        if grad_output is None:  # no gradient reached the loss: none flows on
+            return None, None, None
         for grad in ctx.grads:
             if grad is not None:
                 scale_by_grad_output_(grad, grad_output.to(grad.dtype))

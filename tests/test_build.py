@@ -109,6 +109,29 @@ def test_a_builds_autograd_node_wires_the_graph_and_refuses_a_second_derivative(
         ops.attach_saved_gradients(loss, input, None, target, None)
 
 
+class _NoGradientForFirst(torch.autograd.Function):
+    """a + b, whose backward gives a no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def test_a_builds_autograd_node_passes_on_no_gradient():
+    """A node after the loss may give it no gradient: the input then gets none (as from
+    torch's own nodes), and the node never reaches the GPU-only scale."""
+    assert PROBLEM is None, PROBLEM
+    ops = loader.load("mse", arch=ARCHS[0])
+    leaf, other = torch.randn(3, requires_grad=True), torch.randn((), requires_grad=True)
+    loss = ops.attach_saved_gradients(torch.zeros(()), leaf * 2, torch.ones(3), torch.randn(3), None)
+    _NoGradientForFirst.apply(loss, other).backward()
+    assert leaf.grad is None and other.grad is not None
+
+
 def test_cached_load_is_silent_and_fast():
     """A second process finds the build: no build line, no compiler."""
     assert PROBLEM is None, PROBLEM
