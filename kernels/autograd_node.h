@@ -59,8 +59,7 @@ struct ScaleSavedGradients : torch::autograd::Node {
   std::string name() const override { return "FusedLossBackward"; }
 };
 
-// Makes node the grad_fn of loss, whose gradient flows on to input and target. torch 2.0
-// holds nodes in shared_ptr, later versions in intrusive_ptr.
+// torch 2.0 holds autograd nodes in shared_ptr, later versions in intrusive_ptr.
 using NodePtr = std::decay_t<decltype(std::declval<const at::TensorBase&>().grad_fn())>;
 
 template <typename N>
