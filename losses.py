@@ -361,13 +361,14 @@ def _pointwise_operands(input: torch.Tensor, target: torch.Tensor):
 def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
     (input, target), float_loss = _autocast_operands(reduction, input, target)
     want_grad_input, want_grad_target = _wants_grad(input), _wants_grad(target)
-    if _use_python_function(want_grad_input or want_grad_target, reduction):
+    want_grads = want_grad_input or want_grad_target
+    if _use_python_function(want_grads, reduction):
         return _PointwiseLossFunction.apply(input, target, (kernel, reduction, scale, float_loss, tuple(op_args),
                                                             want_grad_input, want_grad_target))
     ops = _ops(kernel, input.device)
     loss, grad_input, grad_target = ops.forward(input, target, REDUCTION_CODES[reduction], scale, float_loss,
                                                 want_grad_input, want_grad_target, *op_args)
-    if not (want_grad_input or want_grad_target):  # no graph to record
+    if not want_grads:  # no graph to record
         return loss
     return ops.attach_saved_gradients(loss, input, grad_input, target, grad_target)
 

@@ -1,7 +1,8 @@
 """Python models of the kernel ops: same signatures and outputs as kernels/*.cu, in torch
 ops, so that tests without a GPU can run losses.py's fused path on CPU tensors (the
 kernels_modelled_on_cpu fixture in conftest.py). They prove the plumbing (what reaches
-the ops, what autograd and torch.compile make of their outputs), never the kernels. Kernel ops run below autograd, and so do the models (no_grad)."""
+the ops, what autograd and torch.compile make of their outputs), never the kernels.
+Kernel ops run below autograd, and so do the models (no_grad)."""
 import torch
 import torch.nn.functional as F
 
