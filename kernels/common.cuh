@@ -750,7 +750,7 @@ struct PointwisePointers {
   T* __restrict__ grad_target;        // or nullptr
 };
 
-// How a thread walks its packs, set by each Op: batches of Op::kBatch packs, every load
+// How a thread walks its packs, set by each Op: batches of Op::batch<T>() packs, every load
 // of a batch issued before its math (4 x 16 B x 2-3 inputs per thread covers memory
 // latency). With Op::kPrefetch, the next batch's loads go out before this batch's math
 // too, at the cost of registers for two batches: for math heavy enough to leave memory
@@ -839,7 +839,7 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
   const bool need_loss = finish.partials != nullptr || ptr.loss_out != nullptr;
-  constexpr int batch = Op::kBatch;
+  constexpr int batch = Op::template batch<T>();
   sum_t thread_sum = 0;
   // The packs of a thread's batch lie batch_gap apart. The sum-only forward reads a
   // block's batch as one run of batch x blockDim packs (the grid strides over such runs):
