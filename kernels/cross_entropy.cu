@@ -65,8 +65,9 @@ struct MaxSum {
 template <typename acc_t, typename sum_type>
 __device__ __forceinline__ MaxSum<acc_t, sum_type> combine(MaxSum<acc_t, sum_type> a, MaxSum<acc_t, sum_type> b) {
   const acc_t max = max_acc(a.max, b.max);
-  // When both maxima are -inf nothing has been added yet: keep the sum at 0, not NaN.
-  if (max == -infinity<acc_t>()) return {max, sum_type(0)};
+  // When both maxima are -inf nothing but -inf (or NaN) has been added: keep the sum at 0
+  // (not exp(-inf - -inf), NaN), or NaN where a part holds one.
+  if (max == -infinity<acc_t>()) return {max, a.sum + b.sum};
   return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
 }
 
@@ -83,11 +84,20 @@ struct CombineMaxSum {
   }
 };
 
-// The largest value of a pack (NaN loses, as in max_acc). 2-byte values pairwise in
-// their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and 4 instructions
-// for 8 values where converting each to float first took 16.
-template <typename T, int VEC, typename acc_t = at::opmath_type<T>>
+// max that returns NaN where either is one (max.NaN, sm_80).
+__device__ __forceinline__ float max_nan_wins(float a, float b) {
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+__device__ __forceinline__ double max_nan_wins(double a, double b) { return isnan(a) ? a : isnan(b) ? b : fmax(a, b); }
+
+// The largest value of a pack: NaN loses, as in max_acc, or with kNaNWins it wins. 2-byte
+// values pairwise in their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and
+// 4 instructions for 8 values where converting each to float first took 16.
+template <typename T, int VEC, typename acc_t = at::opmath_type<T>, bool kNaNWins = false>
 __device__ __forceinline__ acc_t pack_max(const Pack<T, VEC>& pack) {
+  auto max2 = [](acc_t a, acc_t b) { return kNaNWins ? max_nan_wins(a, b) : max_acc(a, b); };
   if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
     uint32_t pairs[VEC / 2];
     memcpy(pairs, &pack, sizeof(pairs));
@@ -95,26 +105,37 @@ __device__ __forceinline__ acc_t pack_max(const Pack<T, VEC>& pack) {
 #pragma unroll
     for (int k = 1; k < VEC / 2; ++k) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        asm("max.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        if constexpr (kNaNWins) {
+          asm("max.NaN.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        } else {
+          asm("max.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        }
       } else {
-        asm("max.f16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        if constexpr (kNaNWins) {
+          asm("max.NaN.f16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        } else {
+          asm("max.f16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        }
       }
     }
     const T low(static_cast<uint16_t>(m & 0xffffu), T::from_bits());
     const T high(static_cast<uint16_t>(m >> 16), T::from_bits());
-    return max_acc(static_cast<acc_t>(low), static_cast<acc_t>(high));
+    return max2(static_cast<acc_t>(low), static_cast<acc_t>(high));
   } else {
     acc_t max = -infinity<acc_t>();
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) max = max_acc(max, static_cast<acc_t>(pack.val[k]));
+    for (int k = 0; k < VEC; ++k) max = max2(max, static_cast<acc_t>(pack.val[k]));
     return max;
   }
 }
 
 template <typename T, int VEC, typename acc_t, typename sum_type>
 __device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_type> acc, const Pack<T, VEC>& pack) {
-  const acc_t max = max_acc(acc.max, pack_max(pack));
-  if (max == -infinity<acc_t>()) return acc;
+  const acc_t pack_top = pack_max<T, VEC, acc_t, true>(pack);  // NaN if the pack holds one
+  const acc_t max = max_acc(acc.max, pack_top);
+  // Nothing but -inf so far: the sum stays 0, or NaN. (A NaN passed over here was lost
+  // from rows whose first element, an edge added alone, was NaN.)
+  if (max == -infinity<acc_t>()) return {max, isnan(pack_top) ? quiet_nan<sum_type>() : acc.sum};
   acc_t pack_sum = 0;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) pack_sum += exp_minus<T>(static_cast<acc_t>(pack.val[k]), max);

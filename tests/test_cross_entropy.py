@@ -439,6 +439,41 @@ def test_inplace_backward_saves_the_gradients_memory():
     assert peaks[0] - peaks[1] >= x.numel() * 4 * 0.9, peaks
 
 
+SPECIAL_ROWS_SHAPES = {WARP_ROWS: SHAPES[WARP_ROWS], "many streamed rows of odd C = 40001": many_streamed_rows(40001)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("special", ["nan", "+inf", "+inf and nan", "-inf row"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(SPECIAL_ROWS_SHAPES))
+def test_special_rows_among_many_match_torch(case, dtype, reduction, special):
+    """Many rows (without grad a warp per row; streamed rows): a row whose loss is NaN or
+    +inf makes the scalar loss NaN or +inf as in torch, with grad and without. The NaN sits
+    in the first class of row 1, which starts off 16 bytes (odd C): an edge element, added
+    before any pack of its row, where a streamed row's running max once passed it over."""
+    logits = SPECIAL_ROWS_SHAPES[case](dtype)
+    target = class_targets(logits)
+    rows = logits.shape[0]
+    special_rows = [torch.randint(2, rows, ()).item(), 1, torch.randint(2, rows, ()).item()]
+    target[special_rows] = 3
+    if "inf" in special and "row" not in special:
+        logits[special_rows[0], 1] = float("inf")  # not the target's class: the row's loss is +inf
+    if "nan" in special:
+        logits[special_rows[1], 0] = float("nan")
+    if special == "-inf row":
+        logits[special_rows[2]] = float("-inf")  # every class masked: torch's loss is NaN
+    with torch.no_grad():
+        ours = losses.cross_entropy(logits, target, ignore_index=IGNORE, reduction=reduction)
+        theirs = F.cross_entropy(logits.double(), target, ignore_index=IGNORE, reduction=reduction)
+    torch.testing.assert_close(ours.double(), theirs, rtol=FLOOR[dtype], atol=0, equal_nan=True)
+    if dtype == torch.float32:  # and with the gradient, element by element
+        check_special_values_match_torch(
+            lambda x, t: losses.cross_entropy(x, t, ignore_index=IGNORE, reduction=reduction),
+            lambda x, t: F.cross_entropy(x, t, ignore_index=IGNORE, reduction=reduction),
+            [logits, target], rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight", [False, True])
 def test_every_target_ignored_with_options_gives_torch_result(weight):

@@ -6,6 +6,7 @@ so nothing may change from run to run: not the loss, not any gradient.
 import pytest
 import torch
 
+import losses
 from helpers import LOSSES, loss_and_grads
 
 RUNS = 100
@@ -40,3 +41,21 @@ def test_bitwise_identical_over_runs(name, reduction, dtype, rows, cols):
         assert same_bits(again_loss, first_loss), f"run {run}: loss differs"
         for index, (again, first) in zip(loss.grad_of, zip(again_grads, first_grads)):
             assert same_bits(again, first), f"run {run}: gradient of input {index} differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4], ids=["no z-loss", "z-loss"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_warp_rows_forward_bitwise_identical_over_runs(dtype, reduction, z_loss):
+    """Cross-entropy without grad on many rows (a warp per row, the sum-only kernel, which
+    the tests above do not reach: they take gradients)."""
+    rows = 32 * torch.cuda.get_device_properties(0).multi_processor_count + 3
+    logits = torch.randn(rows, 4099, device="cuda", dtype=dtype) * 4
+    target = torch.randint(0, 4099, (rows,), device="cuda")
+    target[::7] = -100
+    with torch.no_grad():
+        first = losses.cross_entropy(logits, target, reduction=reduction, z_loss=z_loss)
+        for run in range(1, RUNS):
+            again = losses.cross_entropy(logits, target, reduction=reduction, z_loss=z_loss)
+            assert same_bits(again, first), f"run {run}: loss differs"
