@@ -789,9 +789,19 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   __shared__ uint64_t parts_full[2];
   __shared__ uint64_t stage_full[kMaxPipelineStages];
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
-  const Pack<T, VEC>* stage_packs = reinterpret_cast<const Pack<T, VEC>*>(dynamic_smem);
   const int64_t num_classes = params.num_classes;
   const int64_t segment_packs = params.stash_packs;
+  // Stages from a kBulkCopyAlign boundary, each with room to place its copy at the same
+  // offset from a boundary as its source (bulk_copy_offset).
+  const Pack<T, VEC>* stage_packs = reinterpret_cast<const Pack<T, VEC>*>(align_shared<kBulkCopyAlign>(dynamic_smem));
+  const int64_t stage_stride = bulk_stage_packs<T, VEC>(segment_packs);
+  // Where a row's segment from `begin` comes from in memory, and lands in `stage`.
+  auto segment_source = [&](const T* x, const RowEdges<T, VEC, kEdges>& edges, int64_t begin) {
+    return x + edges.head + begin * VEC;
+  };
+  auto stage_segment = [&](int stage, const T* src) {
+    return stage_packs + stage * stage_stride + bulk_copy_offset<T, VEC>(src);
+  };
   const int stages = params.stages;
   const ClusterPlace place = cluster_place();
   const int rank = place.rank, blocks = place.blocks;
@@ -810,7 +820,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
     const T* x = params.logits + row * num_classes;
     const RowEdges<T, VEC, kEdges> edges(x, num_classes);
     const int64_t begin = segment_begin(edges);
-    bulk_copy_to_shared(const_cast<Pack<T, VEC>*>(stage_packs + stage * segment_packs), x + edges.head + begin * VEC,
+    const T* src = segment_source(x, edges, begin);
+    bulk_copy_to_shared(const_cast<Pack<T, VEC>*>(stage_segment(stage, src)), src,
                         static_cast<uint32_t>((segment_end(edges) - begin) * sizeof(Pack<T, VEC>)), &stage_full[stage]);
   };
   if (threadIdx.x == 0) {
@@ -844,7 +855,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
         t.counted() && !target_on_edge && target_in_segment >= 0 && target_in_segment < packs * VEC;
     Pair acc{-infinity<acc_t>(), 0};
     if (has_edge) acc = add_pack(acc, edges.element(x, threadIdx.x));
-    const Pack<T, VEC>* segment = stage_packs + stage * segment_packs;
+    const Pack<T, VEC>* segment = stage_segment(stage, segment_source(x, edges, begin));
     mbarrier_wait(&stage_full[stage], stage_phase);
     // The target's logit where this block holds it: from its stage, or an edge (rank 0).
     // Not from memory in a pack of another block's segment: that block may already be
@@ -1117,10 +1128,12 @@ RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_
   const size_t budget = max_dynamic_smem(kernel, device);
   for (int cluster_blocks = 1; cluster_blocks <= kMaxClusterBlocks; cluster_blocks *= 2) {
     const int64_t segment_packs = (num_packs + cluster_blocks - 1) / cluster_blocks;
-    const size_t segment_bytes = segment_packs * pack_bytes;
-    if (2 * segment_bytes > budget) continue;
-    const int stages = static_cast<int>(std::min<size_t>(kMaxPipelineStages, budget / segment_bytes));
-    const size_t smem = stages * segment_bytes;
+    // Each stage with its slack (bulk_stage_bytes), and kBulkCopyAlign more to align the first.
+    const size_t segment_bytes = bulk_stage_bytes(segment_packs * pack_bytes);
+    if (2 * segment_bytes + kBulkCopyAlign > budget) continue;
+    const int stages =
+        static_cast<int>(std::min<size_t>(kMaxPipelineStages, (budget - kBulkCopyAlign) / segment_bytes));
+    const size_t smem = stages * segment_bytes + kBulkCopyAlign;
     int64_t resident_clusters = 0;
     if (cluster_blocks == 1) {
       resident_clusters =
