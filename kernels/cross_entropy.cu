@@ -407,9 +407,10 @@ struct CrossEntropyParams {
   const sum_t* divisors;  // (2, num_divisors), or nullptr
   int64_t num_divisors;
   sum_t* counted_divisors;  // or, up to kRowsCountedPerBlock rows: every block counts, block 0 writes (2, 1)
-  // Or, without a gradient (nothing waits for them): after its rows, each block counts what
-  // count_targets_kernel's block of the same index would (count_block_targets), (2, gridDim.x).
-  sum_t* divisors_after_rows;
+  // Or, without a gradient (nothing waits for them): each block counts what
+  // count_targets_kernel's block of the same index would (count_block_targets), (2,
+  // gridDim.x), after its rows (before them in the claimed-rows kernel).
+  sum_t* divisors_by_blocks;
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
@@ -741,9 +742,9 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
     params.finish.partials[gridDim.x + blockIdx.x] = block_z;
   }
   if constexpr (!kProbs) {
-    if (params.divisors_after_rows != nullptr) {
+    if (params.divisors_by_blocks != nullptr) {
       count_block_targets(static_cast<const index_t*>(params.target), params.rows, num_classes, params.ignore_index,
-                          params.weight, scratch_sum, params.divisors_after_rows);
+                          params.weight, scratch_sum, params.divisors_by_blocks);
     }
   }
   finish_if_last_block(params.finish, scratch_sum);
@@ -925,6 +926,153 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   }
   finish_if_last_block(params.finish, scratch_sum);
 }
+
+// sm_90: the sum-only forward of many rows that a warp's stage of shared memory holds
+// (class-index targets without label smoothing; where a warp per row would stream them).
+// Each warp has the copy engine bring its row into its own stage and takes its next row
+// from a counter (the stream's, beside the finish ticket): rows go to the warps that are
+// ready, and every warp keeps a whole row in flight until the rows run out. Warps that
+// streamed fixed rows through registers ended 5-8 us apart (notes, v25), and the reads
+// thinned out at the end of each call. Which block adds which row changes from run to run,
+// so the sums are exact (warp_exact_add), the blocks' added into the stream's exact sums:
+// the same bits every run. H100, forward ms, warp per row -> claimed (notes, v30):
+// 32768x4096 fp32 0.1821 -> 0.1785, 16384x8192 bf16 0.1006 -> 0.0955, 65536x2048 fp32
+// 0.1797 -> 0.1779; with 8 to 16 rows a warp faster for some shapes and slower for others
+// (32768x4096 bf16 0.0998 -> 0.0948; 16384x2048 fp32 0.0510 -> 0.0522, 8192x16384 bf16
+// 0.0957 -> 0.0984): the first rows and the last cost the same however many come between.
+constexpr int kClaimedRowsWarps = 8;
+constexpr int64_t kClaimedRowsPerWarp = 16;  // at least, for every resident warp
+constexpr size_t kClaimedRowsBytes = 128 * 1024;  // rows in flight a multiprocessor
+// A warp's stage: its row with the slack to land it as in memory, from a 1024-byte
+// boundary (0.5 us faster than from 128 at 32768x4096 fp32: notes, v30).
+constexpr size_t kClaimedStageAlign = 1024;
+__host__ __device__ constexpr size_t claimed_stage_bytes(size_t row_bytes) {
+  return (bulk_stage_bytes(row_bytes) + kClaimedStageAlign - 1) / kClaimedStageAlign * kClaimedStageAlign;
+}
+
+template <typename T, typename index_t, int VEC, bool kEdges>
+__global__ void __launch_bounds__(32 * kClaimedRowsWarps) cross_entropy_claimed_rows_kernel(CrossEntropyParams<T> params) {
+  using acc_t = at::opmath_type<T>;
+  using exp_sum_t = exp_sum_type<T>;
+  static_assert(std::is_same<acc_t, float>::value, "exact sums of float losses");
+  __shared__ uint64_t stage_full[kClaimedRowsWarps];
+  __shared__ unsigned long long block_sums[kMaxTerms][kExactWords];  // ce, then z
+  __shared__ sum_t scratch_sum[32];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t num_classes = params.num_classes;
+  // Rows of a multiple of 128 bytes start at a boundary both in memory and in their stage.
+  Pack<T, VEC>* stage = reinterpret_cast<Pack<T, VEC>*>(align_shared<kClaimedStageAlign>(dynamic_smem)) +
+                        warp * (claimed_stage_bytes(params.stash_packs * sizeof(Pack<T, VEC>)) / sizeof(Pack<T, VEC>));
+  unsigned int* next_row = params.finish.ticket + 1;
+  // Where a row lands in the stage (its offset from a 128-byte boundary, as in memory).
+  auto row_in_stage = [&](const T* x, const RowEdges<T, VEC, kEdges>& edges) {
+    return stage + bulk_copy_offset<T, VEC>(x + edges.head);
+  };
+  // Lane 0: `row` on its way into the stage, unless past the end. Every warp's first row is
+  // its own index; the counter hands out the rest (its first claims cost a round trip
+  // that the first rows need not wait for).
+  const int warps_per_block = blockDim.x / 32;
+  const int64_t first_round = int64_t(gridDim.x) * warps_per_block;
+  auto fetch_row = [&](int64_t row) {
+    if (row < params.rows) {
+      const T* x = params.logits + row * num_classes;
+      const RowEdges<T, VEC, kEdges> edges(x, num_classes);
+      bulk_copy_to_shared(row_in_stage(x, edges), x + edges.head,
+                          static_cast<uint32_t>(edges.num_packs * sizeof(Pack<T, VEC>)), &stage_full[warp]);
+    }
+    return row;
+  };
+  wait_for_previous_kernel();
+  int64_t row = 0;
+  if (lane == 0) {
+    mbarrier_init(&stage_full[warp], 1);
+    row = fetch_row(int64_t(blockIdx.x) * warps_per_block + warp);
+  }
+  if (threadIdx.x < kMaxTerms * kExactWords) (&block_sums[0][0])[threadIdx.x] = 0;
+  // 'mean''s divisors, by this block's share of the targets (a fixed share, unlike its
+  // rows), while the first rows are on their way. Ends with a barrier.
+  if (params.divisors_by_blocks != nullptr) {
+    count_block_targets(static_cast<const index_t*>(params.target), params.rows, num_classes, params.ignore_index,
+                        params.weight, scratch_sum, params.divisors_by_blocks);
+  }
+  __syncthreads();
+  row = __shfl_sync(0xffffffffu, row, 0);
+
+  // Up to 32 row losses wait in the warp's lanes (lane k the k-th), then go into the
+  // block's sums at once (warp_exact_add): off the path from row to row.
+  float kept_ce = 0, kept_z = 0;
+  int num_kept = 0;
+  auto add_kept = [&] {
+    warp_exact_add(block_sums[0], kept_ce, lane < num_kept);
+    if (params.finish.num_terms > 1) warp_exact_add(block_sums[1], kept_z, lane < num_kept);
+    num_kept = 0;
+  };
+  for (uint32_t phase = 0; row < params.rows; phase ^= 1u) {
+    const T* x = params.logits + row * num_classes;
+    const RowTarget t = row_target<index_t, false>(params, row);
+    const RowEdges<T, VEC, kEdges> edges(x, num_classes);
+    const Pack<T, VEC>* packs = row_in_stage(x, edges);
+    const int num_packs = static_cast<int>(edges.num_packs);
+    const bool has_edge = edges.has(lane);
+    const acc_t edge_x = has_edge ? static_cast<acc_t>(edges.element(x, lane).val[0]) : acc_t(0);
+    // Two passes over the stage, as the register path makes over its registers: the
+    // max, then independent exp sums (an online max and sum chains every pack to the last).
+    acc_t thread_max = has_edge ? edge_x : -infinity<acc_t>();
+    mbarrier_wait(&stage_full[warp], phase);
+#pragma unroll 8
+    for (int p = lane; p < num_packs; p += 32) thread_max = max_acc(thread_max, pack_max(load_pack<T, VEC>(packs[p].val)));
+    const acc_t row_max = warp_allreduce(thread_max, MaxOp());
+    exp_sum_t thread_sum = has_edge ? exp_minus<T>(edge_x, row_max) : acc_t(0);
+#pragma unroll 8
+    for (int p = lane; p < num_packs; p += 32) {
+      const Pack<T, VEC> pack = load_pack<T, VEC>(packs[p].val);
+      acc_t pack_sum = 0;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) pack_sum += exp_minus<T>(static_cast<acc_t>(pack.val[j]), row_max);
+      thread_sum += pack_sum;
+    }
+    const exp_sum_t row_sum = warp_allreduce(thread_sum, SumOp<exp_sum_t>());
+    // Lane 0 takes the target's logit from the stage (or memory, for an edge element)
+    // before every lane is past the stage and it is refilled.
+    acc_t target_logit = 0;
+    const int64_t target_in_packs = t.index - edges.head;
+    if (lane == 0 && t.counted()) {
+      target_logit = target_in_packs >= 0 && target_in_packs < edges.num_packs * VEC
+                         ? static_cast<acc_t>(packs[target_in_packs / VEC].val[target_in_packs % VEC])
+                         : static_cast<acc_t>(x[t.index]);
+    }
+    __syncwarp();
+    // The next row: claimed after the passes (claimed before them, its round trip was not
+    // hidden and the call took 1 us longer: notes, v29).
+    const int64_t next = lane == 0 ? fetch_row(first_round + atomicAdd(next_row, 1u)) : 0;
+    sum_t ce = 0, z = 0;
+    finish_row<T, false, false, true>(params, row, t, row_max, row_sum, ClassSums<sum_t>{}, target_logit,
+                                      GradientScales<acc_t>{}, false, lane == 0, ce, z);
+    // finish_row's float terms, widened to double: exact as floats again.
+    const float row_ce = __shfl_sync(0xffffffffu, static_cast<float>(ce), 0);
+    const float row_z = __shfl_sync(0xffffffffu, static_cast<float>(z), 0);
+    if (lane == num_kept) {
+      kept_ce = row_ce;
+      kept_z = row_z;
+    }
+    if (++num_kept == 32) add_kept();
+    row = __shfl_sync(0xffffffffu, next, 0);
+  }
+  add_kept();
+  __syncthreads();
+  // The block's sums into the stream's (integer adds: any order gives the same bits), where
+  // the last block reads them: one word a thread, and most words are 0.
+  if (threadIdx.x < params.finish.num_terms * kExactWords) {
+    const unsigned long long word = (&block_sums[0][0])[threadIdx.x];
+    unsigned long long* sum = params.finish.exact_sums + threadIdx.x;
+    if (word != 0) threadIdx.x % kExactWords == kExactLimbs ? atomicOr(sum, word) : atomicAdd(sum, word);
+    __threadfence();  // before thread 0's ticket counts this block
+  }
+  __syncthreads();
+  finish_if_last_block<true>(params.finish, scratch_sum);
+}
+
 
 // ---------------------------------------------------------------------------------
 // Host side.
@@ -1151,6 +1299,25 @@ RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_
   return {0, 0, 0, 0};
 }
 
+// The claimed-rows kernel's launch (sm_90), or blocks == 0 where rows are too long or too
+// few for it: a stage of a row per warp (with its alignment slack), kClaimedRowsBytes of
+// rows per multiprocessor (whole rows in flight, enough to keep the reads at full speed),
+// at most kClaimedRowsWarps warps a block and at least 4, and kClaimedRowsPerWarp rows for
+// each warp. The row counter is 32-bit.
+template <typename Kernel>
+RowLaunch claimed_rows_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
+  const size_t row_bytes = num_packs * pack_bytes;
+  const int64_t warps = std::min<int64_t>(kClaimedRowsWarps, kClaimedRowsBytes / row_bytes);
+  const size_t smem = warps * claimed_stage_bytes(row_bytes) + kClaimedStageAlign;
+  if (warps < 4 || rows >= (int64_t(1) << 31) || smem > max_dynamic_smem(kernel, device)) return {0, 0, 0, 0};
+  const int threads = static_cast<int>(warps * 32);
+  const int64_t per_sm = std::min<int64_t>(resident_blocks_per_sm(kernel, threads, device, smem),
+                                           kClaimedRowsBytes / (warps * row_bytes));
+  const int64_t blocks = multiprocessor_count(device) * per_sm;
+  if (rows < kClaimedRowsPerWarp * warps * blocks) return {0, 0, 0, 0};
+  return {threads, blocks, smem, num_packs};
+}
+
 // What a launch writes; undefined tensors are not written. `loss` is a scalar
 // reduction's (0-dim), `loss_per_row` reduction 'none''s.
 struct CrossEntropyOutputs {
@@ -1192,13 +1359,19 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
       }
     }
     const bool want_grad = out.grad_logits.defined() || out.grad_target.defined();
-    // Long rows' gradients on sm_90: the pipelined kernel, where its stages fit.
+    // On sm_90: long rows' gradients by the pipelined kernel, where its stages fit; warp
+    // rows claimed from the stream's counter, where there is one (no stream capture).
     RowLaunch launch{0, 0, 0, 0};
     if constexpr (!Cfg::probs && !Cfg::class_sums && sizeof(T) <= 4) {
       if (streamed && want_grad && sm90_supported(device)) {
         auto pipelined = cross_entropy_pipelined_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>;
         launch = pipelined_launch(pipelined, rows, num_packs, sizeof(Pack<T, Cfg::vec>), device);
         if (launch.blocks > 0) kernel = pipelined;
+      }
+      if (warp_rows && sm90_supported(device) && finish_ticket(device, stream) != nullptr) {
+        auto claimed_rows = cross_entropy_claimed_rows_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>;
+        launch = claimed_rows_launch(claimed_rows, rows, num_packs, sizeof(Pack<T, Cfg::vec>), device);
+        if (launch.blocks > 0) kernel = claimed_rows;
       }
     }
     if (launch.blocks == 0) {
@@ -1238,20 +1411,21 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     auto count_kernel = count_targets_kernel<index_t, acc_t>;
     const int count_threads = 256;
     const bool divided = reduction == kMean && !Cfg::probs;
-    const bool counted_after_rows = divided && !want_grad;
+    const bool counted_by_blocks = divided && !want_grad;
     const bool counted_here = divided && want_grad && rows <= kRowsCountedPerBlock;
     const int64_t num_partials = launch.blocks;
     const int64_t num_divisors = !divided            ? 0
-                                 : counted_after_rows ? launch.blocks
+                                 : counted_by_blocks ? launch.blocks
                                  : counted_here       ? 1
                                                       : grid_for(count_kernel, rows, count_threads, device);
     // One allocation (launch-bound calls feel each one): per block, the ce and z sums
-    // (2, num_partials), and for 'mean' with class indices the divisors (2, num_divisors).
+    // (2, num_partials; the claimed-rows kernel's blocks add into the stream's exact sums
+    // instead), and for 'mean' with class indices the divisors (2, num_divisors).
     const at::Tensor workspace = at::empty({2 * (num_partials + num_divisors)}, in.logits.options().dtype(at::kDouble));
     sum_t* partials = workspace.data_ptr<sum_t>();
     sum_t* divisors = divided ? partials + 2 * num_partials : nullptr;
-    if (counted_after_rows) {
-      params.divisors_after_rows = divisors;
+    if (counted_by_blocks) {
+      params.divisors_by_blocks = divisors;
     } else if (counted_here) {
       params.counted_divisors = divisors;
     } else if (divided) {

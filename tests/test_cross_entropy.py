@@ -130,6 +130,10 @@ STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read
 # Without grad, many rows longer than a warp's register cache are read by a warp each
 # (kWarpRows): at least 8 per multiprocessor. Odd C: rows start at every offset from 16 bytes.
 WARP_ROWS = "many rows of odd C = 4099 (without grad: a warp per row)"
+# On an H100/H200, with at least 16 rows for every warp the GPU holds (8 a multiprocessor
+# for 4-byte types, 16 for 2-byte), the warps claim their rows from a counter instead
+# (cross_entropy_claimed_rows_kernel): 320 rows a multiprocessor give them 20 to 40 each.
+CLAIMED_ROWS = "very many rows of odd C = 4099 (without grad, on an H100/H200: rows claimed by warps)"
 
 
 def rows_per_multiprocessor(per_multiprocessor, num_classes):
@@ -158,7 +162,32 @@ SHAPES = {
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
     WARP_ROWS: rows_per_multiprocessor(32, 4099),
+    CLAIMED_ROWS: rows_per_multiprocessor(320, 4099),
 }
+
+
+def kernels_run(fn):
+    """Names of the CUDA kernels that fn() launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return [event.key for event in profile.key_averages()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_are_claimed_by_warps_where_the_tests_expect(dtype):
+    """CLAIMED_ROWS reaches the claimed-rows kernel on an H100/H200 (float64 rows are a
+    block's) and WARP_ROWS does not, so the tests of both cases test both kernels."""
+    def claimed(case):
+        logits = SHAPES[case](dtype)
+        target = class_targets(logits)
+        with torch.no_grad():
+            names = kernels_run(lambda: losses.cross_entropy(logits, target))
+        return any("claimed_rows" in name for name in names)
+
+    assert claimed(CLAIMED_ROWS) == (torch.cuda.get_device_capability()[0] >= 9 and dtype != torch.float64)
+    assert not claimed(WARP_ROWS)
 
 
 @pytest.mark.gpu
@@ -439,7 +468,8 @@ def test_inplace_backward_saves_the_gradients_memory():
     assert peaks[0] - peaks[1] >= x.numel() * 4 * 0.9, peaks
 
 
-SPECIAL_ROWS_SHAPES = {WARP_ROWS: SHAPES[WARP_ROWS], "many streamed rows of odd C = 40001": many_streamed_rows(40001)}
+SPECIAL_ROWS_SHAPES = {WARP_ROWS: SHAPES[WARP_ROWS], CLAIMED_ROWS: SHAPES[CLAIMED_ROWS],
+                       "many streamed rows of odd C = 40001": many_streamed_rows(40001)}
 
 
 @pytest.mark.gpu
