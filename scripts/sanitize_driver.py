@@ -4,7 +4,8 @@ Each loss x float32/float16/bfloat16 x reduction, forward without grad, and forw
 backward with grad (backward from 2.5, so the in-place scale runs too), on odd shapes:
 a vector body with a scalar tail, one element, a misaligned view, and for
 cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001, and 40001 and 65537
-in more rows than the grid has blocks; C = 4099 in enough rows for a warp each without grad),
+in more rows than the grid has blocks; C = 4099 in enough rows for a warp each without grad,
+and on sm_90 in enough for warps to claim them),
 with weight, label smoothing, z-loss, probability targets and inplace_backward.
 """
 import os
@@ -48,6 +49,9 @@ def logits_shapes(dtype):
     yield torch.randn(rows, 65537, device="cuda", dtype=dtype)
     # Without grad, a warp per row: at least 8 rows per multiprocessor, odd C beyond a warp's registers.
     yield torch.randn(8 * rows, 4099, device="cuda", dtype=dtype)
+    # Without grad on sm_90, rows claimed by warps: at least 16 for each warp the GPU holds
+    # (8 warps a multiprocessor for 4-byte types, 16 for 2-byte).
+    yield torch.randn(130 * rows, 4099, device="cuda", dtype=dtype)
 
 
 def run(loss_fn, inputs, grad_of):
