@@ -1209,8 +1209,8 @@ inline int64_t balanced_teams(int64_t rows, int64_t resident) {
 struct RowLaunch {
   int threads;
   int64_t blocks;
-  size_t dynamic_smem;  // bytes: the stash, or the pipelined kernel's stages
-  int64_t stash_packs;
+  size_t dynamic_smem;  // bytes: the stash, or the pipelined or claimed-rows kernel's stages
+  int64_t stash_packs;  // packs: stashed, a pipelined segment's, or a claimed row's
   int cluster_blocks = 1;
   int stages = 0;  // the pipelined kernel's
 };
