@@ -1067,12 +1067,10 @@ __global__ void __launch_bounds__(32 * kClaimedRowsWarps) cross_entropy_claimed_
     const unsigned long long word = (&block_sums[0][0])[threadIdx.x];
     unsigned long long* sum = params.finish.exact_sums + threadIdx.x;
     if (word != 0) threadIdx.x % kExactWords == kExactLimbs ? atomicOr(sum, word) : atomicAdd(sum, word);
-    __threadfence();  // before thread 0's ticket counts this block
   }
-  __syncthreads();
+  __syncthreads();  // the adds come before thread 0's ticket
   finish_if_last_block<true>(params.finish, scratch_sum);
 }
-
 
 // ---------------------------------------------------------------------------------
 // Host side.
