@@ -4,7 +4,7 @@ import json, os, statistics, sys, torch
 sys.path.insert(0, ".")
 import bench, losses
 out = {}
-for spec in os.environ.get("AB_CASES", "32768:float32").split():
+for spec in os.environ.get("AB_CASES", "32768:4096:float32").split():
     rows, cols, dt = spec.split(":")
     rows, dtype, cols = int(rows), getattr(torch, dt), int(cols)
     fn = bench.loss_fn_for("ours", "ce")
