@@ -236,10 +236,12 @@ constexpr int kStreamLoadsAhead = 4;
 // probabilities when kProbs), kStreamLoadsAhead packs in flight per thread: visit(x, y,
 // index). `backwards` visits the row from its end: a second pass over a row then starts
 // with what the first pass read last, the part most likely still in L2 (front to back,
-// each miss would evict the next part this pass needs).
-template <typename T, int VEC, bool kProbs, typename Team, typename Visit>
+// each miss would evict the next part this pass needs). kL2Block: loads that ask L2 for
+// 256-byte blocks (load_pack_l2_block), for rows read once and never written here.
+template <typename T, int VEC, bool kProbs, bool kL2Block = false, typename Team, typename Visit>
 __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, bool backwards,
                                                   const Team& team, Visit visit) {
+  auto load = [](const T* ptr) { return kL2Block ? load_pack_l2_block<T, VEC>(ptr) : load_pack<T, VEC>(ptr); };
   Pack<T, VEC> none;
   auto pack_at = [&](int64_t p) { return backwards ? num_packs - 1 - p : p; };
   int64_t p = team.rank();
@@ -247,15 +249,15 @@ __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_
     Pack<T, VEC> xs[kStreamLoadsAhead], ys[kProbs ? kStreamLoadsAhead : 1];
 #pragma unroll
     for (int u = 0; u < kStreamLoadsAhead; ++u) {
-      xs[u] = load_pack<T, VEC>(x + pack_at(p + u * team.size()) * VEC);
-      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + pack_at(p + u * team.size()) * VEC);
+      xs[u] = load(x + pack_at(p + u * team.size()) * VEC);
+      if constexpr (kProbs) ys[u] = load(y + pack_at(p + u * team.size()) * VEC);
     }
 #pragma unroll
     for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, pack_at(p + u * team.size()));
   }
   for (; p < num_packs; p += team.size()) {
     const int64_t q = pack_at(p);
-    visit(load_pack<T, VEC>(x + q * VEC), kProbs ? load_pack<T, VEC>(y + q * VEC) : none, q);
+    visit(load(x + q * VEC), kProbs ? load(y + q * VEC) : none, q);
   }
 }
 
@@ -673,8 +675,12 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
                                            params.weight, first_logit));
         }
       }
-      for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false, team,
-                                        [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
+      // Sum-only rows by blocks: loads by 256-byte L2 blocks (H100, forward ms: 8192x50257
+      // bf16 0.284 -> 0.279, fp32 0.558 -> 0.545; notes, v33). Not for float64 (2048x50257
+      // 0.392 -> 0.397), warp rows (not measured faster), nor rows read again for a gradient.
+      constexpr bool l2_blocks = kSumOnly && !kWarpRows && sizeof(T) <= 4;
+      for_each_row_pack<T, VEC, kProbs, l2_blocks>(x_packs, y_packs, num_packs, false, team,
+                                                   [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if (!kSumOnly && p < stash_packs) stash[p] = xp;
         if constexpr (kClassSums) {
@@ -1213,22 +1219,31 @@ struct RowLaunch {
   int stages = 0;  // the pipelined kernel's
 };
 
+// Threads of a block that streams a row without a gradient: 256, so that several blocks
+// share a multiprocessor and one's barriers hide behind the others' loads, but float32 rows
+// by 512 (H100, forward ms, 256 / 512 threads: 4096x40001 fp32 0.228 / 0.224-0.226,
+// 2048x128256 fp32 0.364 / 0.353, 8192x50257 fp32 0.545 either way; 8192x50257 bf16 0.276 /
+// 0.278, 8192x128256 bf16 0.693 / 0.697, 2048x50257 float64 0.397 / 0.406; notes, v33).
+template <typename T>
+constexpr int stream_threads() {
+  return sizeof(T) == 4 ? kMaxThreads : 256;
+}
+
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
-// row too long for it is streamed. Without a gradient, by 256 threads, so that two
-// blocks share a multiprocessor and one's barriers hide behind the other's loads
-// (measured faster than one block of 512 on 128256-class rows). With a gradient, the
-// row is kept in shared memory for the gradient pass: whole rows by two blocks per
-// multiprocessor where they fit, else the row's front, as much as the multiprocessor
-// holds. As many blocks as fit on the GPU at once.
+// row too long for it is streamed: without a gradient, by stream_block_threads. With a
+// gradient, the row is kept in shared memory for the gradient pass: whole rows by two
+// blocks per multiprocessor where they fit, else the row's front, as much as the
+// multiprocessor holds, by stash_block_threads. As many blocks as fit on the GPU at once.
 template <typename Kernel>
 RowLaunch row_launch(Kernel kernel, bool streamed, bool warp_rows, int64_t rows, int64_t num_packs, int cached_packs,
-                     size_t pack_bytes, bool want_grad, int stash_block_threads, int device) {
+                     size_t pack_bytes, bool want_grad, int stream_block_threads, int stash_block_threads,
+                     int device) {
   if (warp_rows) {
     constexpr int warps = kWarpRowsThreads / 32;
     const int64_t teams = balanced_teams(rows, warps * grid_for(kernel, rows * 32, kWarpRowsThreads, device));
     return {kWarpRowsThreads, (teams + warps - 1) / warps, 0, 0};
   }
-  int threads = 256;
+  int threads = stream_block_threads;
   size_t smem = 0;
   int64_t stash_packs = 0;
   if (!streamed) {
@@ -1374,7 +1389,8 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     }
     if (launch.blocks == 0) {
       launch = row_launch(kernel, streamed, warp_rows, rows, num_packs, cache_packs<Cfg::probs>(),
-                          sizeof(Pack<T, Cfg::vec>), want_grad, stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
+                          sizeof(Pack<T, Cfg::vec>), want_grad, stream_threads<T>(),
+                          stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
     }
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
