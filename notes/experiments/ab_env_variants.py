@@ -14,6 +14,15 @@ for spec in os.environ.get("AB_VARIANTS", "base=").split():
     name, _, sets = spec.partition("=")
     variants[name] = dict(kv.split("=") for kv in sets.split(",") if kv)
 rounds = int(os.environ.get("AB_ROUNDS", "2"))
+
+
+def use(env):
+    """The switches of one variant, the others unset."""
+    for key in SWITCHES:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+
+
 out = {}
 fn = bench.loss_fn_for("ours", "ce")
 for spec in os.environ["AB_CASES"].split():
@@ -25,23 +34,19 @@ for spec in os.environ["AB_CASES"].split():
     times = {name: [] for name in variants}
     x, t = sets[0][:2]
     for name, env in variants.items():  # each variant's loss, the same bits 20 times, against float64
-        for key in SWITCHES:
-            os.environ.pop(key, None)
-        os.environ.update(env)
+        use(env)
         with torch.no_grad():
             losses_seen = {fn(x, t).float().item() for _ in range(20)}
         ref = torch.nn.functional.cross_entropy(x.detach().double(), t).item()
         times[name + " loss"] = [f"{len(losses_seen)} value(s), error {max(abs(v - ref) for v in losses_seen):.1e}"]
     for _ in range(rounds):
         for name, env in variants.items():
-            for key in SWITCHES:
-                os.environ.pop(key, None)
-            os.environ.update(env)
+            use(env)
             if mode == "train":
-                t = bench.training_step_times(fn, sets, 30, 5, True)
+                ms = bench.training_step_times(fn, sets, 30, 5, True)
             else:
-                t = bench.forward_times(fn, sets, 30, 5, True)
-            times[name].append(round(statistics.median(t), 5))
+                ms = bench.forward_times(fn, sets, 30, 5, True)
+            times[name].append(round(statistics.median(ms), 5))
     out[spec] = times
     print(spec, json.dumps(times), flush=True)
     del sets
