@@ -560,10 +560,12 @@ constexpr int stash_threads(bool probs, bool class_sums) {
 // sum-only streamed kernel with a warp per row rather than a block (RowTeam; class-index
 // targets without label smoothing, the forward's usual case).
 template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed,
-          bool kSumOnly, bool kWarpRows = false>
+          bool kSumOnly, bool kWarpRows = false, bool kL2Blocks = false>
 __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kProbs, kClassSums) : kMaxThreads)
     cross_entropy_kernel(CrossEntropyParams<T> params) {
   static_assert(!kWarpRows || (kStreamed && kSumOnly && !kProbs && !kClassSums), "warp rows: sum-only, streamed");
+  static_assert(!kL2Blocks || (kStreamed && kSumOnly && !kWarpRows && sizeof(T) <= 4),
+                "loads by L2 blocks: sum-only rows streamed by blocks, 2- or 4-byte logits (l2_block_rows)");
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
@@ -675,11 +677,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
                                            params.weight, first_logit));
         }
       }
-      // Sum-only rows by blocks: loads by 256-byte L2 blocks (H100, forward ms: 8192x50257
-      // bf16 0.284 -> 0.279, fp32 0.558 -> 0.545; notes, v33). Not for float64 (2048x50257
-      // 0.392 -> 0.397), warp rows (not measured faster), nor rows read again for a gradient.
-      constexpr bool l2_blocks = kSumOnly && !kWarpRows && sizeof(T) <= 4;
-      for_each_row_pack<T, VEC, kProbs, l2_blocks>(x_packs, y_packs, num_packs, false, team,
+      for_each_row_pack<T, VEC, kProbs, kL2Blocks>(x_packs, y_packs, num_packs, false, team,
                                                    [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if (!kSumOnly && p < stash_packs) stash[p] = xp;
@@ -1229,6 +1227,17 @@ constexpr int stream_threads() {
   return sizeof(T) == 4 ? kMaxThreads : 256;
 }
 
+// Whether sum-only rows streamed by blocks load by 256-byte L2 blocks (kL2Blocks), by the
+// rows' bytes: faster for rows up to 201 KB (H100, forward ms, plain / L2 loads: 8192x50257
+// bf16 0.284 / 0.279, 8192x50257 fp32 0.558 / 0.545, 4096x40001 fp32 0.233 / 0.229; notes,
+// v33); for rows of 256 KB and more the same on the H100 (8192x128256 bf16 0.693 / 0.693,
+// 2048x128256 fp32 0.364 / 0.364) and slower on the H200 (8192x128256 bf16 0.478 / 0.505,
+// where 8192x50257 bf16 reads 0.204 / 0.205; notes, v35). Not for float64 (2048x50257 0.392
+// / 0.397), warp rows (not measured faster), nor rows read again for a gradient.
+inline bool l2_block_rows(int64_t row_bytes) {
+  return row_bytes <= 224 * 1024;
+}
+
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
 // row too long for it is streamed: without a gradient, by stream_block_threads. With a
 // gradient, the row is kept in shared memory for the gradient pass: whole rows by two
@@ -1366,6 +1375,12 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using no = std::false_type;
     auto kernel = streamed ? (sum_only ? kernel_for(yes{}, yes{}) : kernel_for(yes{}, no{}))
                            : (sum_only ? kernel_for(no{}, yes{}) : kernel_for(no{}, no{}));
+    if constexpr (sizeof(T) <= 4) {
+      if (streamed && sum_only && l2_block_rows(num_packs * sizeof(Pack<T, Cfg::vec>))) {
+        kernel = cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums, true,
+                                      true, false, true>;
+      }
+    }
     if constexpr (warp_rows_possible) {  // the sum-only streamed kernel, a warp per row
       if (warp_rows) {
         kernel = cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, false, false, true, true, true>;
