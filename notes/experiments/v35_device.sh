@@ -2,6 +2,8 @@
 # Notes v35's device calls, on a tree with ce_pipelined_halves.patch applied.
 #   PHASE=ab     builds this tree and HEAD's (one cache under scratch/ext, kept while the
 #                machine is warm), then ab_times.py on both, two rounds, on the CE cases.
+#   PHASE=ab3    HEAD, this tree and v34's switches tree, two rounds, then the GPU suite.
+#   PHASE=l2     HEAD against HEAD + ce_no_l2_blocks.patch, forward, two rounds.
 #   PHASE=tests  the GPU test suite.
 #   PHASE=bench  bench.py, with Liger when .whl/ holds its wheel.
 # Logs under $OUT.
