@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Notes v35's device calls, on a tree with ce_pipelined_halves.patch applied.
+# Notes v35's device calls (ab and ab3 ran with ce_pipelined_halves.patch applied to the tree;
+# l2, bench and the h200 phases on main's tree).
 #   PHASE=ab     builds this tree and HEAD's (one cache under scratch/ext, kept while the
 #                machine is warm), then ab_times.py on both, two rounds, on the CE cases.
 #   PHASE=ab3    HEAD, this tree and v34's switches tree, two rounds, then the GPU suite.
