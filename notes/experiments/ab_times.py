@@ -16,7 +16,9 @@ CASES = [  # (loss, rows, cols, dtype, train)
     ("ce", 32768, 4096, torch.float32, True), ("mse", 8192, 8192, torch.bfloat16, True),
     ("ce", 8192, 50257, torch.bfloat16, True), ("ce", 16384, 2048, torch.float32, False),
     ("ce", 8192, 32000, torch.bfloat16, False), ("kl", 16384, 16384, torch.float32, True),
-    ("ce", 8192, 128256, torch.bfloat16, True),
+    ("ce", 8192, 128256, torch.bfloat16, True), ("kl", 16384, 16384, torch.float16, True),
+    ("mse", 8192, 8192, torch.float16, True), ("kl", 16384, 16384, torch.bfloat16, True),
+    ("mse", 32768, 32768, torch.float32, True),
 ]
 only = sys.argv[1:]
 out = {}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Notes v36's device call: the pointwise training pass (2-byte KL and MSE, 1.13x on the H200).
+# Trees under /tmp/v36 (outside the checkout: git apply inside it patches paths relative to its
+# root): HEAD, and HEAD + pointwise_write_variants.patch (a scalar-training instantiation without
+# grad_output's loads and the per-element loss's stores) with its two knobs for 2-byte types,
+# PW_WRITE_MIN_BLOCKS (launch bounds) and PW_WRITE_BATCH (packs a batch), set by a #define
+# at the top of common.cuh. Each tree builds mse and kl_div; ab_times.py times them, two rounds.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TORCH_EXTENSIONS_DIR=$PWD/scratch/ext
+mkdir -p scratch "$OUT"
+variants=("base:" "spec:" "spec_b1:PW_WRITE_BATCH 1" "spec_b2:PW_WRITE_BATCH 2" "spec_m3:PW_WRITE_MIN_BLOCKS 3"
+          "spec_b8:PW_WRITE_BATCH 8" "spec_m3b2:PW_WRITE_MIN_BLOCKS 3|PW_WRITE_BATCH 2")
+rm -rf /tmp/v36 && mkdir -p /tmp/v36
+for v in "${variants[@]}"; do
+  name=${v%%:*} defines=${v#*:} tree=/tmp/v36/${v%%:*}
+  mkdir -p $tree && git archive HEAD | tar -x -C $tree
+  cp notes/experiments/ab_times.py $tree/notes/experiments/
+  if [ "$name" != base ]; then (cd $tree && git apply) < notes/experiments/pointwise_write_variants.patch || exit 1; fi
+  IFS='|' read -ra lines <<< "$defines"
+  for line in "${lines[@]}"; do [ -n "$line" ] && sed -i "1i #define $line" $tree/kernels/common.cuh; done
+  for kernel in kl_div mse; do
+    (cd $tree && python3 loader.py --arch 9.0 --kernel $kernel > "$OUT/build_${name}_$kernel.log" 2>&1) &
+  done
+done
+start=$(date +%s); wait; echo "builds $(( $(date +%s) - start )) s"
+nvidia-smi --query-gpu=name --format=csv,noheader
+python3 -c "import bench; print('copy GB/s', bench.copy_bandwidth_gbps(20))"
+cases=("mse 8192x8192 bfloat16 train" "mse 8192x8192 float16 train" "kl 16384x16384 float16 train"
+       "kl 16384x16384 bfloat16 train" "kl 16384x16384 float32 train" "mse 32768x32768 float32 train")
+for round in 1 2; do
+  for v in "${variants[@]}"; do
+    echo "round $round ${v%%:*} $(cd /tmp/v36/${v%%:*} && python3 notes/experiments/ab_times.py "${cases[@]}")"
+  done
+done 2>&1 | tee "$OUT/ab_pointwise_train.txt"
