@@ -873,7 +873,8 @@ void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
 // ---------------------------------------------------------------------------------
 // Pointwise losses (MSE, KL): loss = reduce(f(input, target)) over n elements.
 //
-// One kernel serves every pass, chosen by which pointers are set:
+// One kernel serves every pass, chosen by which pointers are set (each in an
+// instantiation of its own where that was faster: PointwisePass):
 //   forward, reduction 'none':   loss_out (per element)
 //   forward, scalar reduction:   partials (+ grad_input / grad_target when grad is
 //                                needed: written here, scaled by grad_scale, so backward
@@ -987,8 +988,8 @@ __device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePoin
 //   kSumOnly: a scalar loss without grad, the sum and nothing stored (16384^2 KL fp16
 //     forward 1.07x -> 0.99x the floor, 8192^2 MSE bf16 1.07x -> 1.02x);
 //   kScalarGrad: a scalar loss and its gradients, the training step's forward: no
-//     grad_output read, no per-element loss stored (H200, training step: 16384^2 KL bf16
-//     0.497 -> 0.417 ms, fp16 0.431 -> 0.413; 8192^2 MSE bf16 0.1081 -> 0.1073);
+//     grad_output read, no per-element loss stored. For an Op with kOwnScalarGradPass
+//     (the Ops say what it gained them); the others run this pass as kPerElement;
 //   kPerElement: reduction 'none', its forward (loss_out) and backward (grad_output).
 enum class PointwisePass { kSumOnly, kScalarGrad, kPerElement };
 
@@ -1081,7 +1082,8 @@ void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, 
   if (vector_ok && sum_only) {
     run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kSumOnly>, args.n / VEC + 1);
   } else if (vector_ok && scalar_only) {
-    run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kScalarGrad>, args.n / VEC + 1);
+    constexpr PointwisePass kPass = Op::kOwnScalarGradPass ? PointwisePass::kScalarGrad : PointwisePass::kPerElement;
+    run(pointwise_loss_kernel<T, VEC, Op, kPass>, args.n / VEC + 1);
   } else if (vector_ok) {
     run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kPerElement>, args.n / VEC + 1);
   } else {

@@ -27,6 +27,9 @@ struct KlDivOp {
   __host__ __device__ static constexpr int batch() { return 1; }
   static constexpr bool kPrefetch = true;
   static constexpr bool kFastPath = true;
+  // The training step's forward, 16384^2, H100 / H200 ms: bf16 0.589 -> 0.573 / 0.497 ->
+  // 0.417, fp16 0.561 -> 0.568 / 0.431 -> 0.413, fp32 1.139 -> 1.130 / 0.770 -> 0.765.
+  static constexpr bool kOwnScalarGradPass = true;
 
   bool log_input;
   bool log_target;

@@ -24,6 +24,9 @@ struct SquaredErrorOp {
   __host__ __device__ static constexpr int batch() { return sizeof(T) == 4 ? 8 : 4; }
   static constexpr bool kPrefetch = false;
   static constexpr bool kFastPath = false;  // no special cases
+  // Its own training pass made the 8192^2 bf16 training step 3% slower on the H100 (0.1444
+  // -> 0.1489 ms) and 0.8% faster on the H200 (0.1081 -> 0.1073); fp16 and fp32 within 1.5%.
+  static constexpr bool kOwnScalarGradPass = false;
 
   template <typename T, typename acc_t = at::opmath_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
