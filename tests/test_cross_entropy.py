@@ -25,8 +25,10 @@ def class_targets(logits, index_dtype=torch.int64, ignored_fraction=0.25, ignore
     target = torch.randint(0, num_classes, shape, device=logits.device)
     if target.dim():
         ignored = torch.rand(shape, device=logits.device) < ignored_fraction
-        ignored.view(-1)[0] = False
         target[ignored] = ignore_index
+    # The first stays a class, whether the mask or randint (when ignore_index is a class) made it ignore_index.
+    first = target.view(-1)[:1]
+    first[first == ignore_index] = (ignore_index + 1) % num_classes
     return target.to(index_dtype)
 
 
