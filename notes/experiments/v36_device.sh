@@ -5,9 +5,27 @@
 # grad_output's loads and the per-element loss's stores) with its two knobs for 2-byte types,
 # PW_WRITE_MIN_BLOCKS (launch bounds) and PW_WRITE_BATCH (packs a batch), set by a #define
 # at the top of common.cuh. Each tree builds mse and kl_div; ab_times.py times them, two rounds.
+# Note: on the device `git archive HEAD` gave the session's first commit (84f5a4d), so "base" was
+# the code before 5c28e20, as meant.
+#   PHASE=grid: the working tree + pointwise_train_grid.patch (PW_TRAIN_PACKS_PER_THREAD: the
+#   writing passes' grid, one block per that many packs a thread), timed by ab_env_variants.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TORCH_EXTENSIONS_DIR=$PWD/scratch/ext
 mkdir -p scratch "$OUT"
+if [ "${PHASE:-variants}" = grid ]; then
+  rm -rf /tmp/v36 && mkdir -p /tmp/v36/grid && tar -c --exclude=./scratch --exclude=./.git . | tar -x -C /tmp/v36/grid
+  (cd /tmp/v36/grid && git apply) < notes/experiments/pointwise_train_grid.patch || exit 1
+  for kernel in kl_div mse; do
+    (cd /tmp/v36/grid && python3 loader.py --arch 9.0 --kernel $kernel > "$OUT/build_grid_$kernel.log" 2>&1) &
+  done
+  start=$(date +%s); wait; echo "builds $(( $(date +%s) - start )) s"
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  python3 -c "import bench; print('copy GB/s', bench.copy_bandwidth_gbps(20))"
+  (cd /tmp/v36/grid && AB_CASES="mse:8192:8192:bfloat16:train kl:16384:16384:float16:train kl:16384:16384:bfloat16:train" \
+     AB_VARIANTS="base= k1=PW_TRAIN_PACKS_PER_THREAD=1 k2=PW_TRAIN_PACKS_PER_THREAD=2 k4=PW_TRAIN_PACKS_PER_THREAD=4 k8=PW_TRAIN_PACKS_PER_THREAD=8 k16=PW_TRAIN_PACKS_PER_THREAD=16" \
+     python3 notes/experiments/ab_env_variants.py) 2>&1 | tee "$OUT/ab_grid.txt"
+  exit 0
+fi
 variants=("base:" "spec:" "spec_b1:PW_WRITE_BATCH 1" "spec_b2:PW_WRITE_BATCH 2" "spec_m3:PW_WRITE_MIN_BLOCKS 3"
           "spec_b8:PW_WRITE_BATCH 8" "spec_m3b2:PW_WRITE_MIN_BLOCKS 3|PW_WRITE_BATCH 2")
 rm -rf /tmp/v36 && mkdir -p /tmp/v36
