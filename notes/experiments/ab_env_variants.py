@@ -11,7 +11,7 @@ sys.path.insert(0, ".")
 import bench
 SWITCHES = ("CE_STAGE_PARTS", "CE_PARTS_BY_WARPS", "CE_PREFETCH_KB", "CE_CLAIM_BLOCK_ROWS", "CE_PIPE_MIN_CLUSTER",
             "CE_PIPE_MAX_STAGES", "CE_CLAIMED_KB", "CE_CLAIMED_PER_WARP", "CE_ROW_BLOCKS_PER_SM", "PW_BLOCKS_PER_SM",
-            "PW_TRAIN_PACKS_PER_THREAD")
+            "PW_TRAIN_PACKS_PER_THREAD", "PW_CONTIGUOUS_BATCHES")
 variants = {}
 for spec in os.environ.get("AB_VARIANTS", "base=").split():
     name, _, sets = spec.partition("=")

@@ -9,21 +9,28 @@
 # the code before 5c28e20, as meant.
 #   PHASE=grid: the working tree + pointwise_train_grid.patch (PW_TRAIN_PACKS_PER_THREAD: the
 #   writing passes' grid, one block per that many packs a thread), timed by ab_env_variants.py.
+#   PHASE=contig: the same with pointwise_contiguous_batches.patch (PW_CONTIGUOUS_BATCHES=1: the
+#   writing passes read a block's batch as one run of packs, as the sum-only pass does).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TORCH_EXTENSIONS_DIR=$PWD/scratch/ext
 mkdir -p scratch "$OUT"
-if [ "${PHASE:-variants}" = grid ]; then
+if [ "${PHASE:-variants}" = grid ] || [ "${PHASE:-variants}" = contig ]; then
   rm -rf /tmp/v36 && mkdir -p /tmp/v36/grid && tar -c --exclude=./scratch --exclude=./.git . | tar -x -C /tmp/v36/grid
-  (cd /tmp/v36/grid && git apply) < notes/experiments/pointwise_train_grid.patch || exit 1
+  patch=pointwise_train_grid.patch cases="mse:8192:8192:bfloat16:train kl:16384:16384:float16:train kl:16384:16384:bfloat16:train"
+  variants="base= k1=PW_TRAIN_PACKS_PER_THREAD=1 k2=PW_TRAIN_PACKS_PER_THREAD=2 k4=PW_TRAIN_PACKS_PER_THREAD=4 k8=PW_TRAIN_PACKS_PER_THREAD=8 k16=PW_TRAIN_PACKS_PER_THREAD=16"
+  if [ "$PHASE" = contig ]; then
+    patch=pointwise_contiguous_batches.patch variants="base= contiguous=PW_CONTIGUOUS_BATCHES=1"
+    cases="$cases kl:16384:16384:float32:train mse:32768:32768:float32:train mse:8192:8192:float32:train"
+  fi
+  (cd /tmp/v36/grid && git apply) < notes/experiments/$patch || exit 1
   for kernel in kl_div mse; do
     (cd /tmp/v36/grid && python3 loader.py --arch 9.0 --kernel $kernel > "$OUT/build_grid_$kernel.log" 2>&1) &
   done
   start=$(date +%s); wait; echo "builds $(( $(date +%s) - start )) s"
   nvidia-smi --query-gpu=name --format=csv,noheader
   python3 -c "import bench; print('copy GB/s', bench.copy_bandwidth_gbps(20))"
-  (cd /tmp/v36/grid && AB_CASES="mse:8192:8192:bfloat16:train kl:16384:16384:float16:train kl:16384:16384:bfloat16:train" \
-     AB_VARIANTS="base= k1=PW_TRAIN_PACKS_PER_THREAD=1 k2=PW_TRAIN_PACKS_PER_THREAD=2 k4=PW_TRAIN_PACKS_PER_THREAD=4 k8=PW_TRAIN_PACKS_PER_THREAD=8 k16=PW_TRAIN_PACKS_PER_THREAD=16" \
-     python3 notes/experiments/ab_env_variants.py) 2>&1 | tee "$OUT/ab_grid.txt"
+  (cd /tmp/v36/grid && AB_CASES="$cases" AB_VARIANTS="$variants" python3 notes/experiments/ab_env_variants.py) 2>&1 |
+    tee "$OUT/ab_$PHASE.txt"
   exit 0
 fi
 variants=("base:" "spec:" "spec_b1:PW_WRITE_BATCH 1" "spec_b2:PW_WRITE_BATCH 2" "spec_m3:PW_WRITE_MIN_BLOCKS 3"
