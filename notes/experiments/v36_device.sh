@@ -11,6 +11,8 @@
 #   writing passes' grid, one block per that many packs a thread), timed by ab_env_variants.py.
 #   PHASE=contig: the same with pointwise_contiguous_batches.patch (PW_CONTIGUOUS_BATCHES=1: the
 #   writing passes read a block's batch as one run of packs, as the sum-only pass does).
+#   PHASE=hints: the working tree and three variants of it by pointwise_hints.py (evict-first
+#   gradient stores, L2-block loads, both), timed by ab_times.py, two rounds.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TORCH_EXTENSIONS_DIR=$PWD/scratch/ext
 mkdir -p scratch "$OUT"
@@ -31,6 +33,24 @@ if [ "${PHASE:-variants}" = grid ] || [ "${PHASE:-variants}" = contig ]; then
   python3 -c "import bench; print('copy GB/s', bench.copy_bandwidth_gbps(20))"
   (cd /tmp/v36/grid && AB_CASES="$cases" AB_VARIANTS="$variants" python3 notes/experiments/ab_env_variants.py) 2>&1 |
     tee "$OUT/ab_$PHASE.txt"
+  exit 0
+fi
+if [ "${PHASE:-variants}" = hints ]; then
+  rm -rf /tmp/v36 && mkdir -p /tmp/v36
+  for v in base cs l2 csl2; do
+    mkdir -p /tmp/v36/$v && tar -c --exclude=./scratch --exclude=./.git . | tar -x -C /tmp/v36/$v
+    [ $v = base ] || (cd /tmp/v36/$v && python3 notes/experiments/pointwise_hints.py $v) || exit 1
+    for kernel in kl_div mse; do
+      (cd /tmp/v36/$v && python3 loader.py --arch 9.0 --kernel $kernel > "$OUT/build_${v}_$kernel.log" 2>&1) &
+    done
+  done
+  start=$(date +%s); wait; echo "builds $(( $(date +%s) - start )) s"
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  python3 -c "import bench; print('copy GB/s', bench.copy_bandwidth_gbps(20))"
+  cases=("mse 8192x8192 bfloat16 train" "kl 16384x16384 float16 train" "kl 16384x16384 float32 train" "mse 32768x32768 float32 train")
+  for round in 1 2; do
+    for v in base cs l2 csl2; do echo "round $round $v $(cd /tmp/v36/$v && python3 notes/experiments/ab_times.py "${cases[@]}")"; done
+  done 2>&1 | tee "$OUT/ab_hints.txt"
   exit 0
 fi
 variants=("base:" "spec:" "spec_b1:PW_WRITE_BATCH 1" "spec_b2:PW_WRITE_BATCH 2" "spec_m3:PW_WRITE_MIN_BLOCKS 3"
