@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,6 +64,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
 }}
 """
 _toolkit_checked = False
+_nvcc_flags: list[str] = []  # what this toolkit's nvcc adds to EXTRA_CUDA_CFLAGS (check_toolchain)
+# torch < 2.1 ignores the -gencode that _build passes when choosing arch flags and reads
+# TORCH_CUDA_ARCH_LIST (else asks the visible GPUs: IndexError when there are none). The
+# environment is the process's, so there builds run one at a time.
+TORCH_READS_ARCH_LIST = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 1)
 
 
 class BuildError(RuntimeError):
@@ -149,6 +155,16 @@ def _cpp_extension():
     return cpp_extension
 
 
+def _nvcc_parallel_flags(home: Path) -> list[str]:
+    """--split-compile=0 where this nvcc has it: cicc and ptxas then optimize the kernels on
+    every core (cross_entropy.cu's build is mostly those two, one kernel after another)."""
+    try:
+        out = subprocess.run([str(home / "bin" / "nvcc"), "--help"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["--split-compile=0"] if "--split-compile" in out else []
+
+
 def _nvcc_release(nvcc: Path) -> str | None:
     try:
         out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -224,7 +240,7 @@ def find_cuda_home() -> Path:
 
 def check_toolchain() -> None:
     """Raises BuildError naming what is missing: CUDA torch, ninja, a matching nvcc."""
-    global _toolkit_checked
+    global _toolkit_checked, _nvcc_flags
     if _toolkit_checked:
         return
     if torch.version.cuda is None:
@@ -243,6 +259,7 @@ def check_toolchain() -> None:
     # torch reads its module-level CUDA_HOME for nvcc, include and library paths.
     _cpp_extension().CUDA_HOME = str(home)
     os.environ["CUDA_HOME"] = str(home)
+    _nvcc_flags = _nvcc_parallel_flags(home)
     _toolkit_checked = True
 
 
@@ -262,17 +279,16 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
     # such file is stale.
     (build_dir / "lock").unlink(missing_ok=True)
     started = time.perf_counter()
-    # torch < 2.1 ignores the -gencode below when choosing arch flags and asks
-    # TORCH_CUDA_ARCH_LIST, else the visible GPUs (IndexError when there are none).
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    if TORCH_READS_ARCH_LIST:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
         _cpp_extension().load_inline(
             name=ext_name,
             cpp_sources=[sources["main.cpp"]],
             cuda_sources=[sources[f"{name}.cu"]],
             extra_cflags=EXTRA_CFLAGS,
-            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + [gencode_flag(arch)],
+            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + _nvcc_flags + [gencode_flag(arch)],
             extra_include_paths=[str(KERNEL_DIR)],
             build_directory=str(build_dir),
             is_python_module=False,  # build only: _open_build imports it
@@ -282,9 +298,9 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
         raise BuildError(f"building kernel {name!r} for sm_{arch.replace('.', '')} in {build_dir} "
                          f"failed:\n{error}") from None
     finally:
-        if saved_arch_list is None:
+        if TORCH_READS_ARCH_LIST and saved_arch_list is None:
             del os.environ["TORCH_CUDA_ARCH_LIST"]
-        else:
+        elif TORCH_READS_ARCH_LIST:
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
     seconds = time.perf_counter() - started
     try:
@@ -362,13 +378,13 @@ def reload(name: str | None = None) -> None:
 
 
 def build(archs, names=KERNELS, verbose: bool = False) -> list[str]:
-    """Ahead-of-time builds of `names` for each arch in `archs`; no GPU needed."""
-    built = []
-    for arch in archs:
-        for name in names:
-            load(name, arch=arch, verbose=verbose)
-            built.append(f"{name} sm_{normalize_arch(arch).replace('.', '')}")
-    return built
+    """Ahead-of-time builds of `names` for each arch in `archs`, all at once (each build is
+    its own nvcc and host compiler processes); no GPU needed."""
+    tasks = [(name, normalize_arch(arch)) for arch in archs for name in names]
+    check_toolchain()  # once, before the threads
+    with ThreadPoolExecutor(1 if TORCH_READS_ARCH_LIST else len(tasks)) as pool:
+        list(pool.map(lambda task: load(task[0], arch=task[1], verbose=verbose), tasks))
+    return [f"{name} sm_{arch.replace('.', '')}" for name, arch in tasks]
 
 
 def main(argv=None) -> int:
