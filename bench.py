@@ -43,6 +43,10 @@ memory allocated just before it (inputs already allocated); it includes the grad
 Each implementation's loss is compared once with eager's on the same inputs before timing
 (relative tolerance 1e-4 fp32, 2e-2 fp16/bf16): the 'check' column says ok or MISMATCH.
 
+First use: each loss's first call in a fresh process with an empty temporary kernel cache
+(the build of its kernel, then the call; one loss at a time, as a user meets it), and the
+load of the three built kernels in another fresh process (after `import torch, losses`).
+
 Without a CUDA GPU it says so, checks the CPU path against torch.nn.functional, and exits 0.
 """
 from __future__ import annotations
@@ -54,7 +58,9 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -400,6 +406,58 @@ def add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps):
 
 
 # ----------------------------------------------------------------------------------
+# First use: builds into an empty cache, and the cached load.
+
+# Run in a fresh process: prints the seconds of its timed part. {losses} names the losses.
+FIRST_CALL = """
+import time, torch, losses
+x = torch.rand(64, 1000, device="cuda")
+calls = {{"cross_entropy": lambda: losses.cross_entropy(x, torch.zeros(64, dtype=torch.long, device="cuda")),
+          "kl_div": lambda: losses.kl_div(x, x, reduction="batchmean", log_input=False),
+          "mse": lambda: losses.mse_loss(x, x)}}
+started = time.perf_counter()
+for name in {losses}:
+    calls[name]()
+torch.cuda.synchronize()
+print(time.perf_counter() - started)
+"""
+CACHED_LOAD = """
+import time, torch, losses
+started = time.perf_counter()
+for name in losses.loader.KERNELS:
+    losses.loader.load(name)
+print(time.perf_counter() - started)
+"""
+
+
+def timed_in_fresh_process(code: str, cache: str) -> float:
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=cache)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    if done.returncode != 0:
+        raise RuntimeError(f"first-use measurement failed:\n{done.stderr[-3000:]}")
+    return float(done.stdout.split()[-1])
+
+
+def first_use_seconds() -> dict:
+    """{"first_call_s": {loss: s}, "cached_load_s": s}: each loss's first call into an empty
+    cache of its own, then the three built kernels loaded from one cache by a fresh process."""
+    with tempfile.TemporaryDirectory(prefix="fused_losses_bench_") as root:
+        first_call = {}
+        for name in ("cross_entropy", "kl_div", "mse"):
+            first_call[name] = timed_in_fresh_process(FIRST_CALL.format(losses=[name]), os.path.join(root, name))
+        warm = os.path.join(root, "all")
+        timed_in_fresh_process(FIRST_CALL.format(losses=list(first_call)), warm)
+        return {"first_call_s": first_call, "cached_load_s": timed_in_fresh_process(CACHED_LOAD, warm)}
+
+
+def print_first_use(first_use):
+    calls = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first_use["first_call_s"].items())
+    print(f"First call, empty cache (builds the loss's kernel for this GPU): {calls}. "
+          f"Cached load of the three in a fresh process: {first_use['cached_load_s']:.2f} s.")
+
+
+# ----------------------------------------------------------------------------------
 # Output.
 
 def fmt(value, spec=".2f", suffix=""):
@@ -513,6 +571,7 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=None, help="timed runs per measurement (default 50, quick 10)")
     parser.add_argument("--json", default="bench_out/bench.json", help="where to write the results")
     parser.add_argument("--plot", default="bench_out/bench.png", help="where to write the plot")
+    parser.add_argument("--no-first-use", action="store_true", help="skip the first-use builds (about 1-2 minutes)")
     return parser.parse_args(argv)
 
 
@@ -539,6 +598,7 @@ def main(argv=None):
     if LIGER_MISSING:
         print(LIGER_MISSING, file=sys.stderr)
 
+    first_use = None if args.no_first_use else first_use_seconds()
     results = []
     for loss, rows, cols, dtype in selected_cases(args.cases):
         name = case_name(loss, rows, cols, dtype)
@@ -560,11 +620,14 @@ def main(argv=None):
         "liger": liger_version(), "liger_note": LIGER_MISSING,
         "floor_bytes_per_element": {loss: {"forward": fwd, "train": train}
                                     for loss, (fwd, train) in FLOOR_BYTES_PER_ELEMENT.items()},
+        "first_use": first_use,
         "results": results,
     }
     write_json(args.json, report)
     write_plot(args.plot, results, impls)
     print_table(results, gpu, copy_gbps)
+    if first_use:
+        print_first_use(first_use)
     return 0
 
 

@@ -237,3 +237,11 @@ def test_full_cache_disk_is_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(loader.BuildError, match="No space left on device.*TORCH_EXTENSIONS_DIR"):
         loader.load("mse", arch="9.0")
     loader.reload()
+
+
+@pytest.mark.parametrize("help_text,flags", [("--split-compile <number>  Specify ...", ["--split-compile=0"]),
+                                             ("--threads <number>  Specify ...", [])], ids=["has it", "lacks it"])
+def test_split_compile_only_where_nvcc_has_it(tmp_path, help_text, flags):
+    nvcc = fake_toolkit(tmp_path, "11.7") / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho '{help_text}'\n")
+    assert loader._nvcc_parallel_flags(tmp_path) == flags
