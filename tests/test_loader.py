@@ -23,8 +23,9 @@ def fresh_toolchain_check(monkeypatch):
     monkeypatch.setattr(loader, "_extra_ldflags", [])
     cpp_extension = loader._cpp_extension()
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
+    for name in ("CUDA_HOME", "CUDA_PATH"):  # check_toolchain sets CUDA_HOME: restored (or unset) after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def fake_toolkit(root: Path, release: str, with_cudart: bool = True) -> Path:
