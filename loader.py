@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -69,6 +70,7 @@ _nvcc_flags: list[str] = []  # what this toolkit's nvcc adds to EXTRA_CUDA_CFLAG
 # TORCH_CUDA_ARCH_LIST (else asks the visible GPUs: IndexError when there are none). The
 # environment is the process's, so there builds run one at a time.
 TORCH_READS_ARCH_LIST = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 1)
+_extra_ldflags: list[str] = []  # set by check_toolchain for a toolkit without libcudart.so
 
 
 class BuildError(RuntimeError):
@@ -189,28 +191,89 @@ def _has_cudart(home: Path) -> bool:
             and any((inc / "cuda_runtime.h").exists() for inc in headers))
 
 
+def _wheel_cudart(home: Path, major: str) -> Path | None:
+    """lib/libcudart.so.<major> when `home` has it and include/cuda_runtime.h: the layout of
+    NVIDIA's pip toolkit (site-packages/nvidia/cu<major>), which has no libcudart.so."""
+    cudart = home / "lib" / f"libcudart.so.{major}"
+    return cudart if cudart.is_file() and (home / "include" / "cuda_runtime.h").is_file() else None
+
+
+def pip_toolkit_home(major: str) -> Path | None:
+    """site-packages/nvidia/cu<major> holding bin/nvcc (NVIDIA's pip toolkit), found through
+    the `nvidia` namespace package of this Python; None when it is not installed."""
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        home = Path(base) / f"cu{major}"
+        if (home / "bin" / "nvcc").is_file():
+            return home
+    return None
+
+
+def pip_toolkit_command() -> str | None:
+    """The pip command that installs NVIDIA's compiler at the CUDA version this torch pins
+    (its `cuda-toolkit==X` requirement); None for a torch that pins none (CUDA 12 wheels and
+    older, conda or source builds). An unpinned nvcc pulls a newer nvvm whose PTX the
+    matching ptxas rejects."""
+    try:
+        requirements = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        match = re.match(r"cuda-toolkit\s*(?:\[[^\]]*\])?\s*==\s*([\w.]+)", requirement)
+        if match:
+            return f'{sys.executable} -m pip install "cuda-toolkit[nvcc,cccl]=={match.group(1)}"'
+    return None
+
+
+def _cudart_link_dir(cudart: Path) -> Path:
+    """A directory in the kernel cache (site-packages may be read-only) whose libcudart.so
+    links to `cudart`, one per toolkit."""
+    link_dir = cache_root() / f"cudart-{hashlib.sha256(str(cudart).encode()).hexdigest()[:12]}"
+    link = link_dir / "libcudart.so"
+    if not link.exists():
+        try:
+            link_dir.mkdir(parents=True, exist_ok=True)
+            temporary = link_dir / f"libcudart.so.{os.getpid()}.tmp"
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(cudart)
+            os.replace(temporary, link)  # atomic: a concurrent first use sees a link or none
+        except OSError as error:
+            raise _cache_write_error(cache_root(), error) from None
+    return link_dir
+
+
+def system_toolkit_candidates() -> list[Path]:
+    """Where a system CUDA toolkit may be: torch's own guess (which on some machines is
+    /usr/local, from a wrapper nvcc in /usr/local/bin, with no libcudart), /usr/local/cuda,
+    /usr/local/cuda-<torch's version>, the directory of the nvcc on PATH followed through
+    links, and Debian's /usr/lib/nvidia-cuda-toolkit."""
+    candidates = []
+    guessed = _cpp_extension().CUDA_HOME
+    if guessed:
+        candidates.append(Path(guessed))
+    candidates += [Path("/usr/local/cuda"), Path(f"/usr/local/cuda-{torch.version.cuda}")]
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(Path(on_path).resolve().parent.parent)
+    candidates.append(DEBIAN_TOOLKIT)
+    return candidates
+
+
 def find_cuda_home() -> Path:
     """A CUDA toolkit whose nvcc matches torch's CUDA major version.
 
-    $CUDA_HOME (or $CUDA_PATH) wins when set. Otherwise the candidates are torch's own
-    guess (which on some machines is /usr/local, from a wrapper nvcc in /usr/local/bin,
-    with no libcudart), /usr/local/cuda, /usr/local/cuda-<torch's version>, the directory
-    of the nvcc on PATH followed through links, and Debian's /usr/lib/nvidia-cuda-toolkit.
+    $CUDA_HOME (or $CUDA_PATH) wins when set. Otherwise the system toolkits
+    (system_toolkit_candidates), then NVIDIA's pip toolkit (pip_toolkit_home).
     """
     want_major = torch.version.cuda.split(".")[0]
     explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if explicit:
         candidates = [Path(explicit)]
     else:
-        candidates = []
-        guessed = _cpp_extension().CUDA_HOME
-        if guessed:
-            candidates.append(Path(guessed))
-        candidates += [Path("/usr/local/cuda"), Path(f"/usr/local/cuda-{torch.version.cuda}")]
-        on_path = shutil.which("nvcc")
-        if on_path:
-            candidates.append(Path(on_path).resolve().parent.parent)
-        candidates.append(DEBIAN_TOOLKIT)
+        candidates = system_toolkit_candidates()
+        pip_home = pip_toolkit_home(want_major)
+        if pip_home:
+            candidates.append(pip_home)
 
     seen = []
     for home in dict.fromkeys(candidates):
@@ -218,7 +281,7 @@ def find_cuda_home() -> Path:
         if not nvcc.is_file():
             continue
         release = _nvcc_release(nvcc)
-        if release is None or not _has_cudart(home):
+        if release is None or not (_has_cudart(home) or _wheel_cudart(home, want_major)):
             seen.append(f"{home} (nvcc there does not run, or no libcudart.so / cuda_runtime.h)")
             continue
         if release.split(".")[0] != want_major:
@@ -232,15 +295,18 @@ def find_cuda_home() -> Path:
             f"CUDA_HOME={explicit} is not a usable CUDA {want_major}.x toolkit ({where}). "
             f"torch {torch.__version__} was built with CUDA {torch.version.cuda}: point CUDA_HOME at a "
             f"CUDA {want_major}.x toolkit (the directory holding bin/nvcc).")
+    pip_command = pip_toolkit_command()
+    fix = (f"Install NVIDIA's compiler for this torch with: {pip_command} (or install the CUDA "
+           f"{want_major}.x toolkit and set CUDA_HOME to it)." if pip_command else
+           f"Install the CUDA {want_major}.x toolkit (nvcc) and set CUDA_HOME to it, e.g. CUDA_HOME=/usr/local/cuda.")
     raise BuildError(
         f"no CUDA {want_major}.x toolkit found to compile the kernels (torch {torch.__version__} was built "
-        f"with CUDA {torch.version.cuda}; toolkits seen: {where}). Install the CUDA {want_major}.x toolkit "
-        f"(nvcc) and set CUDA_HOME to it, e.g. CUDA_HOME=/usr/local/cuda.")
+        f"with CUDA {torch.version.cuda}; toolkits seen: {where}). {fix}")
 
 
 def check_toolchain() -> None:
     """Raises BuildError naming what is missing: CUDA torch, ninja, a matching nvcc."""
-    global _toolkit_checked, _nvcc_flags
+    global _toolkit_checked, _nvcc_flags, _extra_ldflags
     if _toolkit_checked:
         return
     if torch.version.cuda is None:
@@ -260,6 +326,9 @@ def check_toolchain() -> None:
     _cpp_extension().CUDA_HOME = str(home)
     os.environ["CUDA_HOME"] = str(home)
     _nvcc_flags = _nvcc_parallel_flags(home)
+    wheel_cudart = None if _has_cudart(home) else _wheel_cudart(home, torch.version.cuda.split(".")[0])
+    # torch links with -lcudart, which needs a libcudart.so; -L adds a search directory for it.
+    _extra_ldflags = [f"-L{_cudart_link_dir(wheel_cudart)}"] if wheel_cudart else []
     _toolkit_checked = True
 
 
@@ -290,6 +359,7 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
             extra_cflags=EXTRA_CFLAGS,
             extra_cuda_cflags=EXTRA_CUDA_CFLAGS + _nvcc_flags + [gencode_flag(arch)],
             extra_include_paths=[str(KERNEL_DIR)],
+            extra_ldflags=list(_extra_ldflags),
             build_directory=str(build_dir),
             is_python_module=False,  # build only: _open_build imports it
             verbose=verbose,

@@ -20,10 +20,12 @@ import loader
 def fresh_toolchain_check(monkeypatch):
     """Each test sees the toolchain unchecked and restores torch's CUDA_HOME after."""
     monkeypatch.setattr(loader, "_toolkit_checked", False)
+    monkeypatch.setattr(loader, "_extra_ldflags", [])
     cpp_extension = loader._cpp_extension()
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
+    for name in ("CUDA_HOME", "CUDA_PATH"):  # check_toolchain sets CUDA_HOME: restored (or unset) after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def fake_toolkit(root: Path, release: str, with_cudart: bool = True) -> Path:
@@ -38,6 +40,26 @@ def fake_toolkit(root: Path, release: str, with_cudart: bool = True) -> Path:
         (root / "include").mkdir()
         (root / "include" / "cuda_runtime.h").write_text("")
     return root
+
+
+def fake_pip_toolkit(site: Path, release: str, with_cudart: bool = True) -> Path:
+    """site/nvidia/cu<major> laid out as NVIDIA's pip toolkit: bin/nvcc reporting `release`,
+    include/cuda_runtime.h and lib/libcudart.so.<major> (no libcudart.so)."""
+    major = release.split(".")[0]
+    home = site / "nvidia" / f"cu{major}"
+    fake_toolkit(home, release, with_cudart=False)
+    (home / "include").mkdir()
+    (home / "include" / "cuda_runtime.h").write_text("")
+    (home / "lib").mkdir()
+    if with_cudart:
+        (home / "lib" / f"libcudart.so.{major}").write_text("")
+    return home
+
+
+TORCH_REQUIRES_CUDA_13 = ['cuda-toolkit[cublas,cudart,nvrtc]==13.0.3; platform_system == "Linux"',
+                          'nvidia-cudnn-cu13==9.24.0.43; platform_system == "Linux"']
+TORCH_REQUIRES_CUDA_12 = ['nvidia-cuda-runtime-cu12==12.4.127; platform_system == "Linux"',
+                          'nvidia-cuda-nvrtc-cu12==12.4.127; platform_system == "Linux"']
 
 
 # ----------------------------------------------------------------------------------
@@ -153,6 +175,76 @@ def test_a_wrong_guess_by_torch_is_passed_over(monkeypatch, tmp_path, fresh_tool
         assert str(wrong) in str(error)
     else:
         assert chosen != wrong
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_pip_toolkit_is_used_when_no_system_toolkit_is_found(monkeypatch, tmp_path, fresh_toolchain_check):
+    """Found through the nvidia namespace package; linked through a libcudart.so in the cache."""
+    monkeypatch.setattr(loader, "system_toolkit_candidates", lambda: [])
+    home = fake_pip_toolkit(tmp_path / "site", torch.version.cuda)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    assert loader.find_cuda_home() == home
+    loader.check_toolchain()
+    assert loader._cpp_extension().CUDA_HOME == str(home)
+    [flag] = loader._extra_ldflags
+    assert flag.startswith("-L")
+    link = Path(flag[2:]) / "libcudart.so"
+    assert link.parent.parent == tmp_path / "cache" / "fused_losses"
+    assert link.resolve() == home / "lib" / f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_system_toolkit_wins_over_the_pip_toolkit(monkeypatch, tmp_path, fresh_toolchain_check):
+    system = fake_toolkit(tmp_path / "cuda", torch.version.cuda)
+    monkeypatch.setattr(loader, "system_toolkit_candidates", lambda: [system])
+    fake_pip_toolkit(tmp_path / "site", torch.version.cuda)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    assert loader.find_cuda_home() == system
+    loader.check_toolchain()
+    assert loader._extra_ldflags == []  # it has its own libcudart.so
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_pip_toolkit_without_cudart_is_passed_over(monkeypatch, tmp_path, fresh_toolchain_check):
+    monkeypatch.setattr(loader, "system_toolkit_candidates", lambda: [])
+    home = fake_pip_toolkit(tmp_path / "site", torch.version.cuda, with_cudart=False)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(loader.BuildError, match=rf"toolkits seen: {home} \(.*no libcudart"):
+        loader.find_cuda_home()
+
+
+def test_cudart_link_dir_is_made_once_per_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "libcudart.so.13", tmp_path / "b" / "libcudart.so.13"
+    link_dir = loader._cudart_link_dir(first)
+    assert Path(os.readlink(link_dir / "libcudart.so")) == first
+    assert loader._cudart_link_dir(first) == link_dir  # already there
+    assert [p.name for p in link_dir.iterdir()] == ["libcudart.so"]  # no temporary left
+    assert loader._cudart_link_dir(second) != link_dir
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_no_toolkit_names_the_pip_command_for_this_torch(monkeypatch, fresh_toolchain_check):
+    monkeypatch.setattr(loader, "system_toolkit_candidates", lambda: [])
+    monkeypatch.setattr(loader, "pip_toolkit_home", lambda major: None)
+    monkeypatch.setattr(loader.importlib.metadata, "requires", lambda name: TORCH_REQUIRES_CUDA_13)
+    command = f'{sys.executable} -m pip install "cuda-toolkit[nvcc,cccl]==13.0.3"'
+    with pytest.raises(loader.BuildError, match=r"no CUDA \d+\.x toolkit found.*with: ") as raised:
+        loader.check_toolchain()
+    assert command in str(raised.value)
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_no_toolkit_for_a_torch_that_pins_no_pip_toolkit(monkeypatch, fresh_toolchain_check):
+    """CUDA 12 wheels of torch depend on the runtime libraries one by one: no pip command."""
+    monkeypatch.setattr(loader, "system_toolkit_candidates", lambda: [])
+    monkeypatch.setattr(loader, "pip_toolkit_home", lambda major: None)
+    monkeypatch.setattr(loader.importlib.metadata, "requires", lambda name: TORCH_REQUIRES_CUDA_12)
+    assert loader.pip_toolkit_command() is None
+    with pytest.raises(loader.BuildError, match=r"Install the CUDA \d+\.x toolkit \(nvcc\) and set CUDA_HOME"):
+        loader.check_toolchain()
 
 
 def test_compile_errors_show_the_compiler_message(monkeypatch, tmp_path):
