@@ -32,6 +32,7 @@
 
 #include <c10/cuda/CUDAGuard.h>
 
+#include <string>
 #include <tuple>
 
 #include "cross_entropy_launch.cuh"
@@ -90,6 +91,41 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logi
   if (want_grad_target) out.grad_target = in.empty_row_tensor();
   if (in.logits.numel() > 0 && (want_grad_logits || want_grad_target)) launch_cross_entropy(in, kNone, grad_output.contiguous(), out);
   return {out.grad_logits, out.grad_target};
+}
+
+// The path (CrossEntropyPath, by name) that cross_entropy_forward with these arguments
+// takes on the tensors' device and the current stream; launches nothing. For the tests.
+std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  const CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  const bool scalar_loss = reduction != kNone;
+  const bool want_grad = scalar_loss && (want_grad_logits || want_grad_target);
+  std::string name;
+  dispatch_cross_entropy(in, {in.logits.data_ptr(), in.probs ? in.target.data_ptr() : nullptr}, [&](auto config) {
+    using Cfg = decltype(config);
+    const CrossEntropyCall call = cross_entropy_call(in, scalar_loss, want_grad, want_lse, Cfg::vec);
+    name = cross_entropy_path_name(cross_entropy_path_of<Cfg>(call));
+  });
+  return name;
+}
+
+// Test-only: every call takes the path named `path` (cross_entropy_path's names), or
+// raises where that path cannot run it; "" gives the choice back to
+// choose_cross_entropy_path.
+void force_cross_entropy_path(const std::string& path) {
+  if (path.empty()) {
+    forced_cross_entropy_path().store(-1);
+    return;
+  }
+  for (int i = 0; i < kCrossEntropyPaths; ++i) {
+    if (path == kCrossEntropyPathNames[i]) {
+      forced_cross_entropy_path().store(i);
+      return;
+    }
+  }
+  std::string names;
+  for (const char* name : kCrossEntropyPathNames) names += std::string(names.empty() ? "" : ", ") + name;
+  TORCH_CHECK_VALUE(false, "cross_entropy: no path named '", path, "' (paths: ", names, ")");
 }
 
 }  // namespace fused_losses

@@ -7,9 +7,11 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
+#include <utility>
 
 #include "cross_entropy_claimed.cuh"
 #include "cross_entropy_pipelined.cuh"
@@ -265,11 +267,215 @@ RowLaunch claimed_rows_launch(Kernel kernel, int64_t rows, int64_t num_packs, si
   return {threads, blocks, smem, num_packs};
 }
 
+// ---------------------------------------------------------------------------------
+// The path: which kernel takes a call.
+
+// One value per kernel path. Their names (cross_entropy_path_name) are what the bindings'
+// cross_entropy_path returns and force_cross_entropy_path takes.
+enum class CrossEntropyPath {
+  kRegisterRows,            // cross_entropy_kernel: a block per row, the row in registers
+  kWarpRows,                // cross_entropy_kernel (kWarpRows): a scalar loss alone, a warp streams each row
+  kClaimedRows,             // cross_entropy_claimed_rows_kernel (sm_90): warp rows claimed from a counter
+  kStreamedSumRows,         // cross_entropy_kernel (kStreamed, kSumOnly): a scalar loss alone, a block streams each row
+  kStreamedSumRowsL2Blocks, // the same with loads by 256-byte L2 blocks (kL2Blocks)
+  kStashedRows,             // cross_entropy_kernel (kStreamed): outputs too, the row's front stashed for the gradient
+  kPipelinedRows,           // cross_entropy_pipelined_kernel (sm_90): gradients, rows through the copy engine
+};
+
+constexpr const char* kCrossEntropyPathNames[] = {
+    "register_rows", "warp_rows", "claimed_rows", "streamed_sum_rows", "streamed_sum_rows_l2_blocks", "stashed_rows",
+    "pipelined_rows"};
+constexpr int kCrossEntropyPaths = sizeof(kCrossEntropyPathNames) / sizeof(kCrossEntropyPathNames[0]);
+
+inline const char* cross_entropy_path_name(CrossEntropyPath path) {
+  return kCrossEntropyPathNames[static_cast<int>(path)];
+}
+
+// What of a call decides its path, besides the types (Config).
+struct CrossEntropyCall {
+  int64_t rows;
+  int64_t num_packs;  // a row's classes / Config::vec
+  bool sum_only;      // a scalar loss and nothing else: no gradient, lse or per-row loss
+  bool want_grad;     // a gradient is written
+  int device;
+  cudaStream_t stream;
+};
+
+// Rows too long for the register cache are streamed.
+template <typename Cfg>
+bool is_long_row(const CrossEntropyCall& call) {
+  return call.num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
+}
+
+// Class-index targets without label smoothing, in 2- or 4-byte logits: what the sm_90
+// kernels take.
+template <typename Cfg>
+constexpr bool sm90_kernels_take() {
+  return !Cfg::probs && !Cfg::class_sums && sizeof(typename Cfg::scalar) <= 4;
+}
+
+// The launch of an sm_90 kernel (kPipelinedRows or kClaimedRows), or blocks == 0 where
+// the call does not fit it.
+template <typename Cfg>
+RowLaunch sm90_launch(CrossEntropyPath path, const CrossEntropyCall& call) {
+  if constexpr (sm90_kernels_take<Cfg>()) {
+    using T = typename Cfg::scalar;
+    const size_t pack_bytes = sizeof(Pack<T, Cfg::vec>);
+    if (path == CrossEntropyPath::kPipelinedRows) {
+      return pipelined_launch(cross_entropy_pipelined_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>, call.rows,
+                              call.num_packs, pack_bytes, call.device);
+    }
+    return claimed_rows_launch(cross_entropy_claimed_rows_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>,
+                               call.rows, call.num_packs, pack_bytes, call.device);
+  }
+  return {0, 0, 0, 0};
+}
+
+// Why `path` cannot run a call, or nullptr where it can.
+template <typename Cfg>
+const char* why_path_cannot_run(CrossEntropyPath path, const CrossEntropyCall& call) {
+  constexpr bool plain_indices = !Cfg::probs && !Cfg::class_sums;
+  const char* const not_sum_only = "it computes a scalar loss alone (no gradient, lse or per-row loss)";
+  switch (path) {
+    case CrossEntropyPath::kRegisterRows:
+      return is_long_row<Cfg>(call) ? "the row is longer than the register cache holds" : nullptr;
+    case CrossEntropyPath::kWarpRows:
+      if (!plain_indices) return "it takes class-index targets without label smoothing";
+      return call.sum_only ? nullptr : not_sum_only;
+    case CrossEntropyPath::kStreamedSumRows:
+      return call.sum_only ? nullptr : not_sum_only;
+    case CrossEntropyPath::kStreamedSumRowsL2Blocks:
+      if (sizeof(typename Cfg::scalar) > 4) return "it takes 2- or 4-byte logits";
+      return call.sum_only ? nullptr : not_sum_only;
+    case CrossEntropyPath::kStashedRows:
+      return nullptr;
+    case CrossEntropyPath::kClaimedRows:
+      if (!sm90_supported(call.device)) return "it needs sm_90";
+      if (!sm90_kernels_take<Cfg>()) return "it takes class-index targets without label smoothing, 2- or 4-byte logits";
+      if (!call.sum_only) return not_sum_only;
+      if (call.num_packs == 0) return "its rows are shorter than a 16-byte pack";
+      if (finish_ticket(call.device, call.stream) == nullptr) return "it needs the stream's ticket (none in a graph capture)";
+      if (sm90_launch<Cfg>(path, call).blocks == 0) return "the rows are too long for a warp's stage, or too few";
+      return nullptr;
+    case CrossEntropyPath::kPipelinedRows:
+      if (!sm90_supported(call.device)) return "it needs sm_90";
+      if (!sm90_kernels_take<Cfg>()) return "it takes class-index targets without label smoothing, 2- or 4-byte logits";
+      if (!call.want_grad) return "it writes a gradient";
+      if (sm90_launch<Cfg>(path, call).blocks == 0) return "a row's segments do not fit in shared memory";
+      return nullptr;
+  }
+  return "it is no path";
+}
+
+// The path of a call: the first rule that holds, top to bottom.
+template <typename Cfg>
+CrossEntropyPath choose_cross_entropy_path(const CrossEntropyCall& call) {
+  using Path = CrossEntropyPath;
+  const bool long_row = is_long_row<Cfg>(call);
+  const size_t row_bytes = call.num_packs * sizeof(Pack<typename Cfg::scalar, Cfg::vec>);
+  // sm_90, a long row's gradient (class indices without label smoothing, 2- or 4-byte
+  // logits): through the copy engine, read once, where a row's segments fit.
+  if (long_row && call.want_grad && why_path_cannot_run<Cfg>(Path::kPipelinedRows, call) == nullptr) {
+    return Path::kPipelinedRows;
+  }
+  // A long row with outputs (gradient, lse, per-row loss): streamed by a block, its front
+  // stashed in shared memory for the gradient pass (an A100's long rows with a gradient).
+  if (long_row && !call.sum_only) return Path::kStashedRows;
+  // A long row's scalar loss alone, up to 224 KB of 2- or 4-byte logits: streamed by a
+  // block, loads by L2 blocks.
+  if (long_row && sizeof(typename Cfg::scalar) <= 4 && l2_block_rows(row_bytes)) return Path::kStreamedSumRowsL2Blocks;
+  // Any other long row's scalar loss alone: streamed by a block.
+  if (long_row) return Path::kStreamedSumRows;
+  const bool warp_rows = !Cfg::probs && !Cfg::class_sums && call.sum_only &&
+                         use_warp_rows(call.rows, call.num_packs, call.device);
+  // sm_90, warp rows (below) of 2- or 4-byte logits, where the stream has a ticket and
+  // there are enough rows: claimed by the warps from the stream's counter.
+  if (warp_rows && why_path_cannot_run<Cfg>(Path::kClaimedRows, call) == nullptr) return Path::kClaimedRows;
+  // A scalar loss alone over many rows (use_warp_rows), class indices without label
+  // smoothing: a warp streams each row.
+  if (warp_rows) return Path::kWarpRows;
+  // Every other row: a block per row, the row in registers.
+  return Path::kRegisterRows;
+}
+
+// The test-only switch (force_cross_entropy_path): the path every call takes, or raises
+// where that path cannot run it; -1 for none.
+inline std::atomic<int>& forced_cross_entropy_path() {
+  static std::atomic<int> forced{-1};
+  return forced;
+}
+
+// The path a call takes: the forced one (checked), else the chosen one.
+template <typename Cfg>
+CrossEntropyPath cross_entropy_path_of(const CrossEntropyCall& call) {
+  const int forced = forced_cross_entropy_path().load(std::memory_order_relaxed);
+  if (forced < 0) return choose_cross_entropy_path<Cfg>(call);
+  const auto path = static_cast<CrossEntropyPath>(forced);
+  const char* why = why_path_cannot_run<Cfg>(path, call);
+  TORCH_CHECK_VALUE(why == nullptr, "cross_entropy: the forced path ", cross_entropy_path_name(path),
+                    " cannot run this call: ", why);
+  return path;
+}
+
 // What a launch writes; undefined tensors are not written. `loss` is a scalar
 // reduction's (0-dim), `loss_per_row` reduction 'none''s.
 struct CrossEntropyOutputs {
   at::Tensor loss, loss_per_row, lse, grad_logits, grad_target;
 };
+
+// The facts of a call on the current stream, with packs of `vec` elements: whether it
+// computes a scalar loss, writes a gradient, and writes the lse.
+inline CrossEntropyCall cross_entropy_call(const CrossEntropyInputs& in, bool scalar_loss, bool want_grad,
+                                           bool want_lse, int vec) {
+  return {in.logits.size(0), in.logits.size(1) / vec, scalar_loss && !want_grad && !want_lse, want_grad,
+          in.logits.get_device(), c10::cuda::getCurrentCUDAStream()};
+}
+
+// The kernel of a path and its launch shape.
+template <typename Cfg>
+std::pair<void (*)(CrossEntropyParams<typename Cfg::scalar>), RowLaunch> path_kernel(CrossEntropyPath path,
+                                                                                     const CrossEntropyCall& call) {
+  using T = typename Cfg::scalar;
+  using index_t = typename Cfg::index;
+  constexpr int VEC = Cfg::vec;
+  using Path = CrossEntropyPath;
+  void (*kernel)(CrossEntropyParams<T>) = nullptr;
+  switch (path) {
+    case Path::kRegisterRows:
+      kernel = call.sum_only ? cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, false, true>
+                             : cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, false, false>;
+      break;
+    case Path::kStreamedSumRows:
+      kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, true>;
+      break;
+    case Path::kStashedRows:
+      kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, false>;
+      break;
+    case Path::kStreamedSumRowsL2Blocks:
+      if constexpr (sizeof(T) <= 4) {
+        kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, true, false, true>;
+      }
+      break;
+    case Path::kWarpRows:
+      if constexpr (!Cfg::probs && !Cfg::class_sums) {
+        kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, false, false, true, true, true>;
+      }
+      break;
+    case Path::kPipelinedRows:
+      if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_pipelined_kernel<T, index_t, VEC, Cfg::edges>;
+      break;
+    case Path::kClaimedRows:
+      if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_claimed_rows_kernel<T, index_t, VEC, Cfg::edges>;
+      break;
+  }
+  TORCH_CHECK(kernel != nullptr, "cross_entropy: internal error: no kernel for ", cross_entropy_path_name(path));
+  if (path == Path::kPipelinedRows || path == Path::kClaimedRows) return {kernel, sm90_launch<Cfg>(path, call)};
+  const RowLaunch launch =
+      row_launch(kernel, path != Path::kRegisterRows, path == Path::kWarpRows, call.rows, call.num_packs,
+                 cache_packs<Cfg::probs>(), sizeof(Pack<T, VEC>), call.want_grad, stream_threads<T>(),
+                 stash_threads<T>(Cfg::probs, Cfg::class_sums), call.device);
+  return {kernel, launch};
+}
 
 // Runs the kernel for a scalar reduction (`reduction`), reduction 'none' (forward), or
 // the backward of 'none' (grad_output defined).
@@ -286,52 +492,9 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using Cfg = decltype(config);
     using T = typename Cfg::scalar;
     using acc_t = at::opmath_type<T>;
-    const int64_t num_packs = in.logits.size(1) / Cfg::vec;
-    const bool sum_only = scalar_loss && !out.grad_logits.defined() && !out.grad_target.defined() &&
-                          !out.lse.defined();
-    const bool streamed = num_packs > int64_t(cache_packs<Cfg::probs>()) * kMaxThreads;
-    constexpr bool warp_rows_possible = !Cfg::probs && !Cfg::class_sums;
-    const bool warp_rows = warp_rows_possible && sum_only && !streamed && use_warp_rows(rows, num_packs, device);
-    auto kernel_for = [&](auto streamed_tag, auto sum_only_tag) {
-      return cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums,
-                                  decltype(streamed_tag)::value, decltype(sum_only_tag)::value>;
-    };
-    using yes = std::true_type;
-    using no = std::false_type;
-    auto kernel = streamed ? (sum_only ? kernel_for(yes{}, yes{}) : kernel_for(yes{}, no{}))
-                           : (sum_only ? kernel_for(no{}, yes{}) : kernel_for(no{}, no{}));
-    if constexpr (sizeof(T) <= 4) {
-      if (streamed && sum_only && l2_block_rows(num_packs * sizeof(Pack<T, Cfg::vec>))) {
-        kernel = cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums, true,
-                                      true, false, true>;
-      }
-    }
-    if constexpr (warp_rows_possible) {  // the sum-only streamed kernel, a warp per row
-      if (warp_rows) {
-        kernel = cross_entropy_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges, false, false, true, true, true>;
-      }
-    }
     const bool want_grad = out.grad_logits.defined() || out.grad_target.defined();
-    // On sm_90: long rows' gradients by the pipelined kernel, where its stages fit; warp
-    // rows claimed from the stream's counter, where there is one (no stream capture).
-    RowLaunch launch{0, 0, 0, 0};
-    if constexpr (!Cfg::probs && !Cfg::class_sums && sizeof(T) <= 4) {
-      if (streamed && want_grad && sm90_supported(device)) {
-        auto pipelined = cross_entropy_pipelined_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>;
-        launch = pipelined_launch(pipelined, rows, num_packs, sizeof(Pack<T, Cfg::vec>), device);
-        if (launch.blocks > 0) kernel = pipelined;
-      }
-      if (warp_rows && sm90_supported(device) && finish_ticket(device, stream) != nullptr) {
-        auto claimed_rows = cross_entropy_claimed_rows_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>;
-        launch = claimed_rows_launch(claimed_rows, rows, num_packs, sizeof(Pack<T, Cfg::vec>), device);
-        if (launch.blocks > 0) kernel = claimed_rows;
-      }
-    }
-    if (launch.blocks == 0) {
-      launch = row_launch(kernel, streamed, warp_rows, rows, num_packs, cache_packs<Cfg::probs>(),
-                          sizeof(Pack<T, Cfg::vec>), want_grad, stream_threads<T>(),
-                          stash_threads<T>(Cfg::probs, Cfg::class_sums), device);
-    }
+    const CrossEntropyCall call = cross_entropy_call(in, scalar_loss, want_grad, out.lse.defined(), Cfg::vec);
+    const auto [kernel, launch] = path_kernel<Cfg>(cross_entropy_path_of<Cfg>(call), call);
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
     params.target = in.target.data_ptr();
