@@ -62,8 +62,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
   m.def("backward", torch::wrap_pybind_function(fused_losses::{kernel}_backward));
   m.def("scale_by_grad_output_", torch::wrap_pybind_function(fused_losses::scale_by_grad_output_));
   m.def("attach_saved_gradients", torch::wrap_pybind_function(fused_losses::attach_saved_gradients));
-}}
+{extra_bindings}}}
 """
+# Bindings of one kernel's build alone, in BINDINGS' {extra_bindings}: cross-entropy's
+# test-only path query and switch (kernels/ops.h).
+EXTRA_BINDINGS = {
+    "cross_entropy": (
+        '  m.def("cross_entropy_path", torch::wrap_pybind_function(fused_losses::cross_entropy_path));\n'
+        '  m.def("force_cross_entropy_path", torch::wrap_pybind_function(fused_losses::force_cross_entropy_path));\n'),
+}
 _toolkit_checked = False
 _nvcc_flags: list[str] = []  # what this toolkit's nvcc adds to EXTRA_CUDA_CFLAGS (check_toolchain)
 # torch < 2.1 ignores the -gencode that _build passes when choosing arch flags and reads
@@ -86,7 +93,7 @@ def kernel_sources(name: str) -> dict[str, str]:
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
-    sources = {"main.cpp": BINDINGS.format(kernel=name)}
+    sources = {"main.cpp": BINDINGS.format(kernel=name, extra_bindings=EXTRA_BINDINGS.get(name, ""))}
     pending = [path, *_included_headers(sources["main.cpp"])]
     while pending:
         file = pending.pop()

@@ -41,7 +41,7 @@ else:
     def is_compiling() -> bool:
         return False
 
-# Same codes as enum Reduction in kernels/common.cuh.
+# Same codes as enum Reduction in kernels/launch.cuh.
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2, "batchmean": 3}
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -194,14 +194,28 @@ def _pointwise_backward_fake(input, target, grad_output, want_grad_input, want_g
             input.new_empty(input.shape if want_grad_target else (0,)))
 
 
-def _cross_entropy_forward_fake(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
-                                z_loss, want_grad_logits, want_grad_target, want_lse, inplace):
-    scalar_loss = reduction != REDUCTION_CODES["none"]
+def _schema_argument_names(schema: str) -> list[str]:
+    """The argument names of a schema "(Tensor logits, int reduction, ...) -> ...", in order."""
+    return [argument.split()[-1] for argument in schema[1:schema.index(") ->")].split(",")]
+
+
+# Its 12 arguments are written here once (kernels/ops.h has them once in C++); the fake
+# reads them by name.
+_CROSS_ENTROPY_FORWARD = ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
+                          "bool float_loss, float label_smoothing, float z_loss, bool want_grad_logits, "
+                          "bool want_grad_target, bool want_lse, bool inplace) -> (Tensor, Tensor, Tensor, Tensor)")
+_CROSS_ENTROPY_FORWARD_ARGUMENTS = _schema_argument_names(_CROSS_ENTROPY_FORWARD)
+
+
+def _cross_entropy_forward_fake(*args):
+    a = dict(zip(_CROSS_ENTROPY_FORWARD_ARGUMENTS, args))
+    logits = a["logits"]
+    scalar_loss = a["reduction"] != REDUCTION_CODES["none"]
     rows = logits.shape[0]
-    loss = logits.new_empty(() if scalar_loss else (rows,), dtype=torch.float32 if float_loss else logits.dtype)
-    grad_logits = logits.new_empty(logits.shape if scalar_loss and want_grad_logits else (0,))
-    grad_target = logits.new_empty(logits.shape if scalar_loss and want_grad_target else (0,))
-    lse = logits.new_empty((rows,) if want_lse else (0,), dtype=_accumulation_dtype(logits.dtype))
+    loss = logits.new_empty(() if scalar_loss else (rows,), dtype=torch.float32 if a["float_loss"] else logits.dtype)
+    grad_logits = logits.new_empty(logits.shape if scalar_loss and a["want_grad_logits"] else (0,))
+    grad_target = logits.new_empty(logits.shape if scalar_loss and a["want_grad_target"] else (0,))
+    lse = logits.new_empty((rows,) if a["want_lse"] else (0,), dtype=_accumulation_dtype(logits.dtype))
     return loss, grad_logits, grad_target, lse
 
 
@@ -235,10 +249,7 @@ KERNEL_OPS = {
     },
     "cross_entropy": {
         # inplace=True returns the logits as their gradient: never passed under torch.compile.
-        "forward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
-                    "bool float_loss, float label_smoothing, float z_loss, bool want_grad_logits, "
-                    "bool want_grad_target, bool want_lse, bool inplace) -> (Tensor, Tensor, Tensor, Tensor)",
-                    _cross_entropy_forward_fake),
+        "forward": (_CROSS_ENTROPY_FORWARD, _cross_entropy_forward_fake),
         "backward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, float label_smoothing, "
                      "float z_loss, Tensor grad_output, bool want_grad_logits, bool want_grad_target) "
                      "-> (Tensor, Tensor)", _cross_entropy_backward_fake),

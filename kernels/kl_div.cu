@@ -12,7 +12,7 @@
 // with the gradient of input: 3b (the forward writes it; backward only scales it by
 // grad_output, and not at all when that is 1); with the target's gradient too: 4b.
 
-#include "common.cuh"
+#include "pointwise.cuh"
 
 namespace fused_losses {
 

@@ -8,7 +8,7 @@
 // dx by grad_output, and not at all when grad_output is 1); with dy as well: 4b.
 // Reduction 'none': forward 3b (writes the loss), backward 3b + b per gradient.
 
-#include "common.cuh"
+#include "pointwise.cuh"
 
 namespace fused_losses {
 

@@ -52,19 +52,23 @@ def poison_allocator(*tensors_like):
 
 def loss_and_grads(loss_fn, inputs, grad_of, grad_output=None):
     """loss_fn(*inputs) and the gradients of the inputs at grad_of, from grad_output
-    (ones in the loss's shape when None)."""
+    (ones in the loss's shape when None); grad_of empty: the loss alone."""
     leaves = [t.detach().requires_grad_(i in grad_of) for i, t in enumerate(inputs)]
     loss = loss_fn(*leaves)
+    if not grad_of:
+        return loss.detach(), []
     loss.backward(torch.ones_like(loss) if grad_output is None else grad_output.to(loss.dtype).reshape(loss.shape))
     return loss.detach(), [leaves[i].grad for i in grad_of]
 
 
-def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=None, case=""):
+def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=None, case="",
+                          loss_without_grad=True):
     """fused(*inputs) vs reference(*inputs) (a torch.nn.functional formula).
 
     inputs: tensors in the dtype under test (integer ones, like class indices, are
-    passed as they are). grad_of: indices of inputs that get gradients. grad_output:
-    what backward starts from (default 1 for a scalar loss, random for 'none').
+    passed as they are). grad_of: indices of inputs that get gradients (empty: the loss
+    alone). grad_output: what backward starts from (default 1 for a scalar loss, random
+    for 'none'). loss_without_grad: the loss is also computed under torch.no_grad.
     """
     dtype = inputs[0].dtype
     as_float64 = [t.double() if t.is_floating_point() else t for t in inputs]
@@ -91,7 +95,7 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
     # The loss without grad too: the kernels take other paths there (no gradient written,
     # so other launch shapes; cross-entropy's long rows streamed without a stash).
     with torch.no_grad():
-        ours_no_grad_loss = fused(*inputs)
+        ours_no_grad_loss = fused(*inputs) if loss_without_grad else ours_loss
     assert ours_no_grad_loss.dtype == eager_loss.dtype and ours_no_grad_loss.shape == eager_loss.shape, case
     ours_errors = ([rel_err(ours_loss, truth_loss), rel_err(ours_no_grad_loss, truth_loss)] +
                    [rel_err(g, t) for g, t in zip(ours_grads, truth_grads)])

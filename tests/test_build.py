@@ -82,6 +82,18 @@ def test_kernel_builds_and_binds_its_ops(name, arch):
         assert binding_types(getattr(ops, op)) == schema_types(torch._C.parse_schema(op + declared)), op
 
 
+def test_cross_entropy_path_query_takes_the_forwards_arguments():
+    """The test-only path query is bound with the forward's 12 arguments (one list in
+    kernels/ops.h), and the path switch names what it refuses."""
+    assert PROBLEM is None, PROBLEM
+    ops = loader.load("cross_entropy", arch=ARCHS[0])
+    forward_schema = torch._C.parse_schema("forward" + losses.KERNEL_OPS["cross_entropy"]["forward"][0])
+    assert binding_types(ops.cross_entropy_path)[0] == schema_types(forward_schema)[0]
+    with pytest.raises(ValueError, match="no path named 'fastest' \\(paths: register_rows, "):
+        ops.force_cross_entropy_path("fastest")
+    ops.force_cross_entropy_path("")
+
+
 def test_a_builds_checks_raise_python_errors():
     """A check in C++ reaches Python as an exception with its message (no GPU needed: the
     check comes before any CUDA call), and the process goes on."""

@@ -1,10 +1,12 @@
 """cross_entropy / CrossEntropyLoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import loader
 import losses
 from helpers import DTYPES, FLOOR, check_against_float64, check_special_values_match_torch, rel_err
 
@@ -168,28 +170,124 @@ SHAPES = {
 }
 
 
-def kernels_run(fn):
-    """Names of the CUDA kernels that fn() launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        fn()
-        torch.cuda.synchronize()
-    return [event.key for event in profile.key_averages()]
+def path_of(logits, target, reduction="mean", grad=False, lse=False, label_smoothing=0.0):
+    """The kernel path (kernels/cross_entropy_launch.cuh) of a call with 2-D logits."""
+    return loader.load_for_device("cross_entropy", logits.device).cross_entropy_path(
+        logits, target, None, IGNORE, losses.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, grad, False,
+        lse, False)
+
+
+@contextlib.contextmanager
+def forced_path(path):
+    """Every cross-entropy call in the block takes `path` (or raises where it cannot)."""
+    ops = loader.load_for_device("cross_entropy", torch.device("cuda", torch.cuda.current_device()))
+    ops.force_cross_entropy_path(path)
+    try:
+        yield
+    finally:
+        ops.force_cross_entropy_path("")
+
+
+def on_hopper():
+    return torch.cuda.get_device_capability()[0] >= 9
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rows_are_claimed_by_warps_where_the_tests_expect(dtype):
-    """CLAIMED_ROWS reaches the claimed-rows kernel on an H100/H200 (float64 rows are a
-    block's) and WARP_ROWS does not, so the tests of both cases test both kernels."""
-    def claimed(case):
-        logits = SHAPES[case](dtype)
-        target = class_targets(logits)
-        with torch.no_grad():
-            names = kernels_run(lambda: losses.cross_entropy(logits, target))
-        return any("claimed_rows" in name for name in names)
+def test_cases_take_the_paths_the_tests_expect(dtype):
+    """The shapes reach the paths their names say, so the tests of each case test that kernel.
+    sm_90's kernels take 2- and 4-byte logits only."""
+    sm90 = on_hopper() and dtype != torch.float64
 
-    assert claimed(CLAIMED_ROWS) == (torch.cuda.get_device_capability()[0] >= 9 and dtype != torch.float64)
-    assert not claimed(WARP_ROWS)
+    def path(case, **options):
+        logits = SHAPES[case](dtype)
+        return path_of(logits, class_targets(logits), **options)
+
+    assert path("7x1000") == path("7x1000", grad=True) == "register_rows"
+    assert path(WARP_ROWS) == "warp_rows"
+    assert path(CLAIMED_ROWS) == ("claimed_rows" if sm90 else "warp_rows")
+    assert path(CLAIMED_ROWS, grad=True) == path(CLAIMED_ROWS, lse=True) == "register_rows"
+    assert path(LONG_ROW) == ("streamed_sum_rows" if dtype == torch.float64 else "streamed_sum_rows_l2_blocks")
+    assert path(STREAMED_ROW) == "streamed_sum_rows"  # rows beyond 224 KB load without L2 blocks
+    assert path(LONG_ROW, grad=True) == ("pipelined_rows" if sm90 else "stashed_rows")
+    assert path(LONG_ROW, grad=True, label_smoothing=0.1) == path(LONG_ROW, reduction="none") == "stashed_rows"
+
+
+# Each path forced on cases it can run, where most of them take another path: every kernel
+# runs on the GPU at hand, an A100's paths included on an H100/H200 (its stashed rows with
+# a gradient, warp rows). The sum-only paths compute a scalar loss alone; sm_90's take
+# class indices without label smoothing in 2- and 4-byte logits.
+SUM_ONLY_PATHS = {"warp_rows", "claimed_rows", "streamed_sum_rows", "streamed_sum_rows_l2_blocks"}
+MANY_ODD_ROWS = "many rows of odd C = 40001 (whole in shared memory but for fp64)"
+# Without grad a warp per row, in registers for every dtype and target (4099 classes of
+# float64 probabilities are beyond them).
+WARP_ROWS_IN_REGISTERS = "many rows of odd C = 3001 (without grad: a warp per row)"
+FORCED_CASES = {
+    "register_rows": ["7x1000", ODD_ROW, VIEW_OFF_16_BYTES, WARP_ROWS_IN_REGISTERS],
+    "warp_rows": ["7x1000", ODD_ROW, CLAIMED_ROWS, ODD_LONG_ROW],
+    "claimed_rows": [CLAIMED_ROWS],
+    "streamed_sum_rows": ["7x1000", ODD_ROW, WARP_ROWS, ODD_LONG_ROW],
+    "streamed_sum_rows_l2_blocks": ["7x1000", ODD_ROW, WARP_ROWS, STREAMED_ROW],
+    "stashed_rows": ["7x1000", ODD_ROW, LONG_ROW, ODD_LONG_ROW, STREAMED_ROW, MANY_ODD_ROWS],
+    "pipelined_rows": ["7x1000", ODD_ROW, LONG_ROW, ODD_LONG_ROW, MANY_ODD_ROWS],
+}
+FORCED = [(path, case) for path, cases in FORCED_CASES.items() for case in cases]
+
+
+def why_path_cannot_run(path, dtype, reduction, targets):
+    """Why `path` cannot run these calls on this GPU (the kernels' rules), or None."""
+    if path in ("claimed_rows", "pipelined_rows") and not (on_hopper() and dtype != torch.float64):
+        return f"{path} runs on sm_90, 2- and 4-byte logits"
+    if path == "streamed_sum_rows_l2_blocks" and dtype == torch.float64:
+        return f"{path} takes 2- and 4-byte logits"
+    if path in SUM_ONLY_PATHS and reduction == "none":
+        return f"{path} computes a scalar loss alone"
+    if path == "pipelined_rows" and reduction == "none":
+        return f"{path} writes gradients: the forward of 'none' writes none"
+    if path in ("warp_rows", "claimed_rows", "pipelined_rows") and targets != "indices":
+        return f"{path} takes class indices without label smoothing"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("targets", ["indices", "label_smoothing", "probabilities"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path,case", FORCED, ids=[f"{path}: {case}" for path, case in FORCED])
+def test_every_path_forced_matches_float64(path, case, dtype, reduction, targets):
+    why_not = why_path_cannot_run(path, dtype, reduction, targets)
+    if why_not:
+        pytest.skip(why_not)
+    logits = {**SHAPES, **MANY_STREAMED_ROWS, WARP_ROWS_IN_REGISTERS: rows_per_multiprocessor(32, 3001)}[case](dtype)
+    label_smoothing = 0.1 if targets == "label_smoothing" else 0.0
+    if targets == "probabilities":
+        target = torch.randn(logits.shape, device="cuda").softmax(1).to(dtype)
+    else:
+        target = class_targets(logits)
+    arguments = dict(reduction=reduction, label_smoothing=label_smoothing)
+    sum_only = path in SUM_ONLY_PATHS
+    with forced_path(path):
+        check_against_float64(lambda x, t: losses.cross_entropy(x, t, **arguments),
+                              lambda x, t: F.cross_entropy(x, t, **arguments), [logits, target],
+                              grad_of=() if sum_only else (0, 1) if targets == "probabilities" else (0,),
+                              loss_without_grad=path != "pipelined_rows", case=f"{path} {case} {targets}")
+
+
+@pytest.mark.gpu
+def test_forcing_a_path_that_cannot_run_the_call_raises():
+    logits = SHAPES[STREAMED_ROW](torch.float32)
+    target = class_targets(logits)
+    with forced_path("register_rows"), pytest.raises(ValueError, match="register_rows cannot run this call: the row"):
+        losses.cross_entropy(logits, target)
+    with forced_path("warp_rows"), pytest.raises(ValueError, match="warp_rows cannot run this call: it computes"):
+        losses.cross_entropy(logits.requires_grad_(), target)
+    with forced_path("pipelined_rows"), pytest.raises(ValueError, match="pipelined_rows cannot run this call"):
+        losses.cross_entropy(logits.double(), target)
+    with forced_path("streamed_sum_rows_l2_blocks"), pytest.raises(ValueError, match="2- or 4-byte logits"):
+        losses.cross_entropy(logits.double(), target)
+    with pytest.raises(ValueError, match="no path named 'fastest'"):
+        loader.load_for_device("cross_entropy", logits.device).force_cross_entropy_path("fastest")
+    assert path_of(logits, target) == "streamed_sum_rows"  # nothing left forced
 
 
 @pytest.mark.gpu
@@ -213,7 +311,7 @@ def many_streamed_rows(num_classes):
 
 
 MANY_STREAMED_ROWS = {
-    "many rows of odd C = 40001 (whole in shared memory but for fp64)": many_streamed_rows(40001),
+    MANY_ODD_ROWS: many_streamed_rows(40001),
     "many rows of C = 270000 (front in shared memory)": many_streamed_rows(270000),
 }
 

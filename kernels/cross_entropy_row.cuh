@@ -1,0 +1,459 @@
+// cross_entropy_row.cuh: the math of one cross-entropy row, shared by every row kernel:
+// running max and sum, class sums, where a row's packs lie, its target, its loss and its
+// gradient's coefficients (finish_row), the kernels' parameters, and the targets counted
+// for 'mean'. The formulas are cross_entropy.cu's header.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "device.cuh"
+#include "finish.cuh"
+
+namespace fused_losses {
+
+// 16-byte packs per thread kept in registers when the row fits: 8 x 4 registers of
+// logits, or 4 + 4 packs of logits and target probabilities.
+template <bool kProbs>
+constexpr int cache_packs() {
+  return kProbs ? 4 : 8;
+}
+
+// The type of a row's sum of exp(x - max): double for float32 and float64 logits, each
+// pack adding its own acc_t sum, so that long rows (an LLM's vocabulary) lose no digits to
+// a long chain of float additions; float for 2-byte logits, whose outputs cannot show the
+// difference and whose long rows ran about 5% slower with the double math (notes, v7).
+template <typename T>
+using exp_sum_type = std::conditional_t<sizeof(T) == 2, float, sum_t>;
+
+// Running max (acc_t: float, or double for float64 logits) and sum of exp(x - max) over
+// part of a row.
+template <typename acc_t, typename sum_type>
+struct MaxSum {
+  acc_t max;
+  sum_type sum;
+};
+
+template <typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> combine(MaxSum<acc_t, sum_type> a, MaxSum<acc_t, sum_type> b) {
+  const acc_t max = max_acc(a.max, b.max);
+  // When both maxima are -inf nothing but -inf (or NaN) has been added: keep the sum at 0
+  // (not exp(-inf - -inf), NaN), or NaN where a part holds one.
+  if (max == -infinity<acc_t>()) return {max, a.sum + b.sum};
+  return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
+}
+
+template <typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> shfl_xor(MaxSum<acc_t, sum_type> v, int mask) {
+  return {shfl_xor(v.max, mask), shfl_xor(v.sum, mask)};
+}
+
+struct CombineMaxSum {
+  template <typename acc_t, typename sum_type>
+  __device__ __forceinline__ MaxSum<acc_t, sum_type> operator()(MaxSum<acc_t, sum_type> a,
+                                                                MaxSum<acc_t, sum_type> b) const {
+    return combine(a, b);
+  }
+};
+
+// max that returns NaN where either is one (max.NaN, sm_80).
+__device__ __forceinline__ float max_nan_wins(float a, float b) {
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+__device__ __forceinline__ double max_nan_wins(double a, double b) { return isnan(a) ? a : isnan(b) ? b : fmax(a, b); }
+
+// The largest value of a pack: NaN loses, as in max_acc, or with kNaNWins it wins. 2-byte
+// values pairwise in their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and
+// 4 instructions for 8 values where converting each to float first took 16.
+template <typename T, int VEC, typename acc_t = at::opmath_type<T>, bool kNaNWins = false>
+__device__ __forceinline__ acc_t pack_max(const Pack<T, VEC>& pack) {
+  auto max2 = [](acc_t a, acc_t b) { return kNaNWins ? max_nan_wins(a, b) : max_acc(a, b); };
+  if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
+    uint32_t pairs[VEC / 2];
+    memcpy(pairs, &pack, sizeof(pairs));
+    uint32_t m = pairs[0];
+#pragma unroll
+    for (int k = 1; k < VEC / 2; ++k) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (kNaNWins) {
+          asm("max.NaN.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        } else {
+          asm("max.bf16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        }
+      } else {
+        if constexpr (kNaNWins) {
+          asm("max.NaN.f16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        } else {
+          asm("max.f16x2 %0, %0, %1;" : "+r"(m) : "r"(pairs[k]));
+        }
+      }
+    }
+    const T low(static_cast<uint16_t>(m & 0xffffu), T::from_bits());
+    const T high(static_cast<uint16_t>(m >> 16), T::from_bits());
+    return max2(static_cast<acc_t>(low), static_cast<acc_t>(high));
+  } else {
+    acc_t max = -infinity<acc_t>();
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) max = max2(max, static_cast<acc_t>(pack.val[k]));
+    return max;
+  }
+}
+
+template <typename T, int VEC, typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_type> acc, const Pack<T, VEC>& pack) {
+  const acc_t pack_top = pack_max<T, VEC, acc_t, true>(pack);  // NaN if the pack holds one
+  const acc_t max = max_acc(acc.max, pack_top);
+  // Nothing but -inf so far: the sum stays 0, or NaN. (A NaN passed over here was lost
+  // from rows whose first element, an edge added alone, was NaN.)
+  if (max == -infinity<acc_t>()) return {max, isnan(pack_top) ? quiet_nan<sum_type>() : acc.sum};
+  acc_t pack_sum = 0;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) pack_sum += exp_minus<T>(static_cast<acc_t>(pack.val[k]), max);
+  return {max, acc.sum * exp_minus<T>(acc.max, max) + pack_sum};
+}
+
+// Sums over a row that label smoothing and probability targets need. Logits enter as
+// x - ref, with ref a logit of the row that the whole block agrees on (the row max when
+// the row is in registers, else its first logit): the sums then hold the spread of the
+// row, not its offset, and lose no digits to cancellation when the loss subtracts them.
+// Each pack is summed in acc_t and the packs in double (sum_t), for every dtype: a
+// gradient that multiplies p by these sums would otherwise carry their rounding.
+template <typename acc_t>
+struct ClassSums {
+  acc_t weights;         // sum_c w_c
+  acc_t logits;          // sum_c w_c (x_c - ref)
+  acc_t targets;         // sum_c w_c y_c              (probabilities)
+  acc_t target_logits;   // sum_c w_c y_c (x_c - ref)  (probabilities)
+
+  __device__ __forceinline__ ClassSums operator+(const ClassSums& o) const {
+    return {weights + o.weights, logits + o.logits, targets + o.targets, target_logits + o.target_logits};
+  }
+  template <typename pack_t>
+  __device__ __forceinline__ void add(const ClassSums<pack_t>& o) {
+    weights += o.weights;
+    logits += o.logits;
+    targets += o.targets;
+    target_logits += o.target_logits;
+  }
+  // The same sums relative to the row max instead of ref.
+  __device__ __forceinline__ ClassSums relative_to(acc_t ref, acc_t row_max) const {
+    const acc_t shift = row_max - ref;
+    return {weights, logits - shift * weights, targets, target_logits - shift * targets};
+  }
+};
+
+template <typename acc_t>
+__device__ __forceinline__ ClassSums<acc_t> shfl_xor(ClassSums<acc_t> v, int mask) {
+  return {shfl_xor(v.weights, mask), shfl_xor(v.logits, mask), shfl_xor(v.targets, mask),
+          shfl_xor(v.target_logits, mask)};
+}
+
+// What a row's classes weigh: weight[c], or 1 without a weight tensor.
+template <typename acc_t>
+__device__ __forceinline__ acc_t class_weight(const acc_t* weight, int64_t c) {
+  return weight != nullptr ? weight[c] : acc_t(1);
+}
+
+// The class sums of one pack.
+template <bool kProbs, typename T, int VEC, typename acc_t>
+__device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& x, const Pack<T, VEC>& y,
+                                                           int64_t first_class, const acc_t* weight, acc_t ref) {
+  ClassSums<acc_t> sums{};
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const acc_t w = class_weight(weight, first_class + k);
+    const acc_t wx = w * (static_cast<acc_t>(x.val[k]) - ref);
+    sums.weights += w;
+    sums.logits += wx;
+    if constexpr (kProbs) {
+      const acc_t yk = static_cast<acc_t>(y.val[k]);
+      sums.targets += w * yk;
+      sums.target_logits += wx * yk;
+    }
+  }
+  return sums;
+}
+
+// A row's gradient, d/dx_c = p_c A - w_c (a y_c + b) - [c == one_hot] B and
+// d/dy_c = a w_c (lse - x_c), already multiplied by the reduction's scale or grad_output.
+// p_c A is computed as exp(x_c - row_max) * A_over_sum: the argument of exp stays small
+// (exp(x_c - lse) would round an argument near -log C, about 1e-6 of p in float32).
+template <typename acc_t>
+struct RowGradient {
+  acc_t row_max, log_sum;
+  acc_t A_over_sum, a, b, B;
+  int64_t one_hot;  // -1 for none
+};
+
+// kOneHot false: the caller corrects the one-hot class's element itself.
+template <typename T, int VEC, bool kProbs, bool kClassSums, bool kOneHot = true, typename acc_t>
+__device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pack<T, VEC>& y, int64_t first_class,
+                                                const RowGradient<acc_t>& g, const acc_t* weight, T* grad_x,
+                                                T* grad_y) {
+  Pack<T, VEC> dx, dy;
+  // The one-hot class's place in this pack (-1: not here), as a 32-bit index: compared per
+  // element as first_class + k, the 64-bit class index cost four instructions a logit.
+  const int64_t one_hot_in_pack = g.one_hot - first_class;
+  const int one_hot_k =
+      kOneHot && one_hot_in_pack >= 0 && one_hot_in_pack < VEC ? static_cast<int>(one_hot_in_pack) : -1;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    acc_t d = exp_minus<T>(static_cast<acc_t>(x.val[k]), g.row_max) * g.A_over_sum;
+    if (kOneHot && k == one_hot_k) d -= g.B;
+    if constexpr (kClassSums) {
+      const acc_t w = class_weight(weight, first_class + k);
+      d -= w * ((kProbs ? g.a * static_cast<acc_t>(y.val[k]) : acc_t(0)) + g.b);
+      if constexpr (kProbs) {
+        dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - (static_cast<acc_t>(x.val[k]) - g.row_max)));
+      }
+    }
+    dx.val[k] = static_cast<T>(d);
+  }
+  // Streaming stores: the gradient is not read again here, so its lines should be the
+  // first to leave L2, before the logits that a streamed row reads a second time
+  // (128256-class bf16 training 1.33x -> 1.30x the floor, fp32 4096: 1.15x -> 1.12x).
+  if (grad_x != nullptr) store_pack_streaming<T, VEC>(grad_x + first_class, dx);
+  if (kProbs && grad_y != nullptr) store_pack_streaming<T, VEC>(grad_y + first_class, dy);
+}
+
+// Where a row's 16-byte packs lie. With kEdges (C % VEC != 0, or tensors that start off
+// a 16-byte boundary) they start at the row's first 16-byte aligned element, `head`
+// elements in (fewer than VEC), and fewer than VEC elements are left after the last
+// whole pack. Those edge elements go one per thread: thread i < head holds class i, and
+// head <= i < num_edges class i + num_packs * VEC. So a row of odd length (a 50257-class
+// vocabulary) is read in 16-byte packs all the same. Every tensor of a row sits at the
+// logits' offset from 16 bytes (launch_cross_entropy), so the logits' head is theirs.
+// Without kEdges every row starts aligned and is whole packs: nothing to compute per row.
+template <typename T, int VEC, bool kEdges>
+struct RowEdges {
+  int head = 0;
+  int64_t num_packs;
+  int num_edges = 0;
+
+  __device__ __forceinline__ RowEdges(const T* row, int64_t num_classes) : num_packs(num_classes / VEC) {
+    if constexpr (kEdges) {
+      const int misaligned = static_cast<int>(offset_from_16_bytes(row) / sizeof(T));
+      head = misaligned == 0 ? 0 : static_cast<int>(num_classes < VEC - misaligned ? num_classes : VEC - misaligned);
+      num_packs = (num_classes - head) / VEC;
+      num_edges = static_cast<int>(num_classes - num_packs * VEC);
+    }
+  }
+  __device__ __forceinline__ bool has(int i) const { return kEdges && i < num_edges; }
+  __device__ __forceinline__ int64_t class_of(int i) const { return i < head ? i : i + num_packs * VEC; }
+  // Edge element i of `row` (the logits, or a tensor of the row's shape at their offset).
+  __device__ __forceinline__ Pack<T, 1> element(const T* row, int i) const {
+    Pack<T, 1> pack;
+    pack.val[0] = row[class_of(i)];
+    return pack;
+  }
+};
+
+struct RowTarget {
+  int64_t index;
+  bool ignored;  // == ignore_index: contributes no loss and a zero gradient
+  bool valid;    // in [0, C)
+
+  __device__ __forceinline__ bool counted() const { return !ignored && valid; }
+};
+
+// ---------------------------------------------------------------------------------
+// Targets counted for 'mean', the kernels' parameters, and a row's end.
+
+// The divisors of 'mean' with class indices, the weight and the number of targets !=
+// ignore_index, over rows first, first + stride, ... < rows; summed over the block.
+template <typename index_t, typename acc_t>
+__device__ __forceinline__ void count_targets(const index_t* target, int64_t first, int64_t stride, int64_t rows,
+                                              int64_t num_classes, int64_t ignore_index, const acc_t* weight,
+                                              sum_t* scratch, sum_t& weight_sum, sum_t& count) {
+  weight_sum = count = 0;
+  for (int64_t r = first; r < rows; r += stride) {
+    const int64_t t = static_cast<int64_t>(target[r]);
+    if (t == ignore_index) continue;
+    count += 1;
+    // An index outside [0, C) makes its row's loss NaN; it must not be read from weight.
+    weight_sum += t >= 0 && t < num_classes ? class_weight(weight, t) : acc_t(1);
+  }
+  weight_sum = block_sum(weight_sum, scratch);
+  // Without class weights every counted target weighs 1: the same sum, and a block
+  // reduction fewer at the end of the sum-only kernels (notes, v25).
+  count = weight == nullptr ? weight_sum : block_sum(count, scratch);
+}
+
+// Many rows: per block, the two divisors as doubles in `divisors` (2, gridDim.x), summed
+// in a fixed order by whoever needs them, so the result is the same every run. Written by
+// count_targets_kernel, or by the loss kernel's blocks after their rows when no gradient
+// waits for the divisors. Not inlined: inlined after the rows, it costs the loss kernel's
+// row loop registers (rows in registers, fp32: 90 -> 120).
+template <typename index_t, typename acc_t>
+__device__ __noinline__ void count_block_targets(const index_t* target, int64_t rows, int64_t num_classes,
+                                                 int64_t ignore_index, const acc_t* weight, sum_t* scratch,
+                                                 sum_t* divisors) {
+  sum_t weight_sum, count;
+  count_targets(target, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x, rows,
+                num_classes, ignore_index, weight, scratch, weight_sum, count);
+  if (threadIdx.x == 0) {
+    divisors[blockIdx.x] = weight_sum;
+    divisors[gridDim.x + blockIdx.x] = count;
+  }
+}
+
+template <typename index_t, typename acc_t>
+__global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_t num_classes,
+                                     int64_t ignore_index, const acc_t* weight, sum_t* divisors) {
+  __shared__ sum_t scratch[32];
+  wait_for_previous_kernel();
+  count_block_targets(target, rows, num_classes, ignore_index, weight, scratch, divisors);
+}
+
+// Up to this many rows, every block of the loss kernel counts all targets itself rather
+// than wait for count_targets_kernel: one launch fewer where launches are the cost.
+constexpr int64_t kRowsCountedPerBlock = 1024;
+
+template <typename T>
+struct CrossEntropyParams {
+  const T* logits;            // (rows, C)
+  const void* target;         // index_t (rows) or T (rows, C) probabilities
+  const at::opmath_type<T>* weight;  // (C) or nullptr
+  int64_t rows, num_classes, ignore_index;
+  double label_smoothing, z_loss;
+  // Gradient scale of the ce and z terms without grad_output: 1, 1/rows ('mean' with
+  // probabilities), or from `divisors` ('mean' with class indices: 1/weight, 1/count).
+  double ce_scale;
+  const sum_t* divisors;  // (2, num_divisors), or nullptr
+  int64_t num_divisors;
+  sum_t* counted_divisors;  // or, up to kRowsCountedPerBlock rows: every block counts, block 0 writes (2, 1)
+  // Or, without a gradient (nothing waits for them): each block counts what
+  // count_targets_kernel's block of the same index would (count_block_targets), (2,
+  // gridDim.x), after its rows (before them in the claimed-rows kernel).
+  sum_t* divisors_by_blocks;
+  const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
+  // Outputs, each nullptr when not wanted.
+  T* loss_per_row;        // (rows): ce + z, reduction 'none'
+  at::opmath_type<T>* lse;  // (rows)
+  Finish finish;          // partials (2, gridDim.x): per block, the sum of ce and of z (a term with z_loss)
+  T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
+  T* grad_target;         // (rows, C): probabilities
+  // Rows beyond the register cache, when a gradient is written: how many packs of the
+  // row's front (at most all of them) the first pass keeps in dynamic shared memory, so
+  // the gradient pass reads them from there rather than from L2 or HBM (0: none).
+  int64_t stash_packs;
+  // cross_entropy_pipelined_kernel: rows (or a cluster's segments of rows, stash_packs
+  // packs each) in flight per block.
+  int stages;
+};
+
+// The scales of the ce and z terms' gradients for a scalar reduction: params.ce_scale,
+// or for 'mean' with class indices 1 / the divisors, which the block sums (or counts
+// itself, up to kRowsCountedPerBlock rows) before its first row.
+template <typename acc_t>
+struct GradientScales {
+  acc_t ce, z;
+};
+
+template <typename T, typename index_t, bool kProbs, typename acc_t = at::opmath_type<T>>
+__device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntropyParams<T>& params, bool want_grad,
+                                                                 sum_t* scratch) {
+  GradientScales<acc_t> scales{static_cast<acc_t>(params.ce_scale), static_cast<acc_t>(params.ce_scale)};
+  if constexpr (!kProbs) {
+    if (params.counted_divisors != nullptr) {
+      sum_t weight_sum, count;
+      count_targets(static_cast<const index_t*>(params.target), threadIdx.x, blockDim.x, params.rows,
+                    params.num_classes, params.ignore_index, params.weight, scratch, weight_sum, count);
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        params.counted_divisors[0] = weight_sum;
+        params.counted_divisors[1] = count;
+      }
+      scales = {static_cast<acc_t>(1.0 / weight_sum), static_cast<acc_t>(1.0 / count)};
+    }
+  }
+  if (params.divisors != nullptr && want_grad) {
+    sum_t weight_sum = 0, count = 0;
+    for (int64_t i = threadIdx.x; i < params.num_divisors; i += blockDim.x) {
+      weight_sum += params.divisors[i];
+      count += params.divisors[params.num_divisors + i];
+    }
+    scales.ce = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch));
+    scales.z = static_cast<acc_t>(1.0 / block_sum(count, scratch));
+  }
+  return scales;
+}
+
+template <typename index_t, bool kProbs, typename T>
+__device__ __forceinline__ RowTarget row_target(const CrossEntropyParams<T>& params, int64_t row) {
+  RowTarget t{-1, false, true};
+  if constexpr (!kProbs) {
+    t.index = static_cast<int64_t>(static_cast<const index_t*>(params.target)[row]);
+    t.ignored = t.index == params.ignore_index;
+    t.valid = t.index >= 0 && t.index < params.num_classes;
+  }
+  return t;
+}
+
+// A row after its reductions (row_max, sum = sum_c exp(x_c - row_max), the class sums
+// relative to row_max, and the leader's target logit): the leader (one thread of those
+// that read the row) writes the row's loss and lse where asked and adds its terms to its
+// sums; with want_grad every thread gets the gradient's coefficients.
+template <typename T, bool kProbs, bool kClassSums, bool kSumOnly, typename acc_t, typename exp_sum_t>
+__device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParams<T>& params, int64_t row,
+                                                         const RowTarget& t, acc_t row_max, exp_sum_t sum,
+                                                         const ClassSums<sum_t>& sums, acc_t target_logit,
+                                                         GradientScales<acc_t> scales, bool want_grad,
+                                                         bool leader, sum_t& block_ce, sum_t& block_z) {
+  const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
+  const acc_t z_loss = static_cast<acc_t>(params.z_loss);
+  const acc_t class_share = smoothing / static_cast<acc_t>(params.num_classes);  // eps / C
+  const acc_t log_sum = log_acc(static_cast<acc_t>(sum));
+  const acc_t lse = row_max + log_sum;
+  // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
+  // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
+  // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
+  acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
+  if constexpr (kProbs) {
+    spread_weight = static_cast<acc_t>((1 - smoothing) * sums.targets + class_share * sums.weights);
+    spread_logits = static_cast<acc_t>((1 - smoothing) * sums.target_logits + class_share * sums.logits);
+  } else {
+    if (t.counted()) target_weight = (1 - smoothing) * class_weight(params.weight, t.index);
+    if constexpr (kClassSums) {
+      spread_weight = static_cast<acc_t>(class_share * sums.weights);
+      spread_logits = static_cast<acc_t>(class_share * sums.logits);
+    }
+  }
+
+  if (leader) {
+    acc_t ce = 0, z = 0;
+    if (!t.valid && !t.ignored) {
+      ce = quiet_nan<acc_t>();
+    } else if (!t.ignored) {
+      ce = spread_weight * log_sum - spread_logits;
+      if (!kProbs) ce += target_weight * ((row_max - target_logit) + log_sum);
+      z = z_loss * lse * lse;
+    }
+    if (!kSumOnly && params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
+    if (!kSumOnly && params.lse != nullptr) params.lse[row] = lse;
+    block_ce += ce;
+    block_z += z;
+  }
+
+  RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
+  if (want_grad) {
+    const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : scales.ce;
+    const acc_t sz = params.grad_output != nullptr ? s : scales.z;
+    if (!t.valid && !t.ignored) {
+      g.A_over_sum = g.B = quiet_nan<acc_t>();
+    } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it
+      g.B = target_weight * s;
+      g.a = (1 - smoothing) * s;
+      g.b = class_share * s;
+      g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * s + 2 * z_loss * lse * sz) / sum);
+      g.one_hot = kProbs ? -1 : t.index;
+    }
+  }
+  return g;
+}
+
+}  // namespace fused_losses

@@ -1,0 +1,231 @@
+// device.cuh: the device helpers every loss kernel shares: math in the accumulation
+// type, 16-byte vector access, warp and block reductions.
+//
+// Everything here serves a memory-bound loss: 16-byte vector access, fp32 math (fp64
+// for float64 inputs), reductions without float atomics, and 64-bit indexing.
+//
+// Includes stay within c10/ATen headers that ship with torch: the CUDA toolkit on
+// some machines has no cuBLAS/cuSPARSE headers, which ATen/cuda/CUDAContext.h needs.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace fused_losses {
+
+// Loss sums accumulate in double: a per-thread fp32 running sum over millions of
+// terms would lose digits that torch's tree reduction keeps, and one double add per
+// 16-byte pack costs nothing next to the memory traffic.
+using sum_t = double;
+
+constexpr int kMaxThreads = 512;
+
+// ---------------------------------------------------------------------------------
+// Math in the accumulation type (float for half/bfloat16/float, double for double).
+// load_inline defines __CUDA_NO_HALF_OPERATORS__, so half values are converted first.
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+// exp and log of values that came from, or go to, a 2-byte dtype (half, bfloat16): the
+// hardware's approximations (about 2^-21 relative error) are invisible at 2^-11 output
+// precision and several times cheaper. Wider dtypes get the correctly rounded ones.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x by the hardware, results below 2^-126 flushed to 0. exp2f compiles to the same
+// instruction plus three more per call that scale subnormal results (a compare, two
+// predicated multiplies): a third of a softmax's instructions per logit on the 2-byte
+// cross-entropy paths, which were bound by instruction issue (notes, v16 and v20).
+// A flushed term is below 2^-126 of the largest one in its sum or gradient: float16
+// cannot hold it, and bfloat16 only as a subnormal 2^-126 below its row's scale.
+__device__ __forceinline__ float exp2_flush_subnormal(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> exp_for(at::opmath_type<T> x) {
+  if constexpr (sizeof(T) == 2) {
+    return exp2_flush_subnormal(x * kLog2e);
+  } else {
+    return exp_acc(x);
+  }
+}
+
+// exp(x - m) for a softmax over T: with 2-byte T, 2^(x log2e - m log2e), one fused
+// multiply-add per value once m log2e is known (the subtraction and the multiply
+// were two). The rounding of m log2e shifts every term of a row alike, by at most
+// |m| 2^-24 in the exponent, the size of the rounding of lse = max + log(sum) itself.
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> exp_minus(at::opmath_type<T> x, at::opmath_type<T> m) {
+  if constexpr (sizeof(T) == 2) {
+    return exp2_flush_subnormal(fmaf(x, kLog2e, -(m * kLog2e)));
+  } else {
+    return exp_acc(x - m);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> log_for(at::opmath_type<T> x) {
+  if constexpr (sizeof(T) == 2) {
+    return __logf(x);
+  } else {
+    return log_acc(x);
+  }
+}
+
+// The larger of two values; NaN loses (as fmaxf), so a NaN must reach results another way.
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t infinity() {
+  return std::numeric_limits<acc_t>::infinity();
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t quiet_nan() {
+  return std::numeric_limits<acc_t>::quiet_NaN();
+}
+
+// ---------------------------------------------------------------------------------
+// Vector access: VEC elements moved as one aligned load/store (16 bytes when VEC is
+// 16 / sizeof(T); VEC == 1 is the fallback for misaligned or odd-sized data).
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T val[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* ptr) {
+  return *reinterpret_cast<const Pack<T, VEC>*>(ptr);
+}
+
+// A 16-byte load of read-only data that asks L2 to fetch the whole 256-byte block around
+// it (sm_80 and later; a plain load elsewhere). Where few bytes are in flight per block,
+// L2 then runs ahead of the loads: cross-entropy rows streamed by blocks (notes, v33).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack_l2_block(const T* ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(Pack<T, VEC>) == 16) {
+    uint4 v;
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(ptr));
+    return *reinterpret_cast<const Pack<T, VEC>*>(&v);
+  }
+#endif
+  return load_pack<T, VEC>(ptr);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* ptr, const Pack<T, VEC>& pack) {
+  *reinterpret_cast<Pack<T, VEC>*>(ptr) = pack;
+}
+
+// A store marked evict-first (st.global.cs): for output that nothing here reads again.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack_streaming(T* ptr, const Pack<T, VEC>& pack) {
+  if constexpr (sizeof(pack) == 16) {
+    __stcs(reinterpret_cast<int4*>(ptr), *reinterpret_cast<const int4*>(&pack));
+  } else {
+    store_pack<T, VEC>(ptr, pack);
+  }
+}
+
+// Elements per 16-byte vector of T.
+template <typename T>
+constexpr int vec16() {
+  return 16 / sizeof(T);
+}
+
+// Host and device: launchers and kernels find a pointer's offset the same way.
+__host__ __device__ inline uintptr_t offset_from_16_bytes(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16;
+}
+
+inline bool is_aligned16(const void* ptr) {
+  return offset_from_16_bytes(ptr) == 0;
+}
+
+// A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
+// 16-byte boundary (a multiple of the element size): a few elements more are allocated
+// (the allocator's blocks start aligned) and viewed from there.
+inline at::Tensor empty_at_offset(const at::Tensor& like, uintptr_t offset) {
+  if (offset == 0) return at::empty(like.sizes(), like.options());
+  const int64_t element = like.element_size();
+  return at::empty({like.numel() + 16 / element}, like.options())
+      .narrow(0, static_cast<int64_t>(offset) / element, like.numel())
+      .view(like.sizes());
+}
+
+// `tensor` (contiguous) itself when it starts `offset` bytes past a 16-byte boundary,
+// else a copy that does.
+inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
+  if (offset_from_16_bytes(tensor.data_ptr()) == offset) return tensor;
+  return empty_at_offset(tensor, offset).copy_(tensor);
+}
+
+// ---------------------------------------------------------------------------------
+// Reductions. block_allreduce gives every thread the result; blockDim.x must be a
+// multiple of 32 and at most 1024 (one scratch slot per warp).
+
+__device__ __forceinline__ float shfl_xor(float v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+__device__ __forceinline__ double shfl_xor(double v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+__device__ __forceinline__ long long shfl_xor(long long v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+
+template <typename T>
+struct SumOp {
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+struct MaxOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return max_acc(a, b); }
+};
+
+template <typename T, typename Combine>
+__device__ __forceinline__ T warp_allreduce(T value, Combine combine) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) value = combine(value, shfl_xor(value, mask));
+  return value;
+}
+
+// `scratch` is shared memory for 32 values. Ends with a barrier, so the same scratch
+// can be used again right away.
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_allreduce(T value, Combine combine, T identity, T* scratch) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int num_warps = blockDim.x / 32;
+  value = warp_allreduce(value, combine);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = lane < num_warps ? scratch[lane] : identity;
+  value = warp_allreduce(value, combine);
+  __syncthreads();
+  return value;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T value, T* scratch) {
+  return block_allreduce(value, SumOp<T>(), T(0), scratch);
+}
+
+}  // namespace fused_losses
