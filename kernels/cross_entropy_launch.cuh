@@ -2,7 +2,7 @@
 // and with what launch shape, and the launch itself (launch_cross_entropy).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,7 +13,6 @@
 #include <type_traits>
 #include <utility>
 
-#include "cross_entropy_claimed.cuh"
 #include "cross_entropy_pipelined.cuh"
 #include "cross_entropy_row.cuh"
 #include "cross_entropy_rows.cuh"
@@ -74,10 +73,9 @@ struct CrossEntropyInputs {
 };
 
 // The kernel's types, passed to a generic lambda as a tag.
-template <typename T, typename index_t, bool kEdges, bool kProbs, bool kClassSums>
+template <typename T, bool kEdges, bool kProbs, bool kClassSums>
 struct Config {
   using scalar = T;
-  using index = index_t;
   static constexpr int vec = vec16<T>();
   static constexpr bool edges = kEdges;
   static constexpr bool probs = kProbs;
@@ -97,22 +95,19 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
                   "cross_entropy: internal error: a row tensor is not at the logits' offset from 16 bytes");
     }
     const bool edges = offset != 0 || in.logits.size(1) % vec16<scalar_t>() != 0;
-    auto with_edges = [&](auto index_zero, auto probs, auto class_sums) {
-      using index_t = decltype(index_zero);
+    auto with_edges = [&](auto probs, auto class_sums) {
       if (edges) {
-        body(Config<scalar_t, index_t, true, decltype(probs)::value, decltype(class_sums)::value>{});
+        body(Config<scalar_t, true, decltype(probs)::value, decltype(class_sums)::value>{});
       } else {
-        body(Config<scalar_t, index_t, false, decltype(probs)::value, decltype(class_sums)::value>{});
+        body(Config<scalar_t, false, decltype(probs)::value, decltype(class_sums)::value>{});
       }
     };
     using yes = std::true_type;
     using no = std::false_type;
     if (in.probs) {
-      with_edges(int64_t(0), yes{}, yes{});
-    } else if (in.target.scalar_type() == at::kLong) {
-      in.label_smoothing != 0.0 ? with_edges(int64_t(0), no{}, yes{}) : with_edges(int64_t(0), no{}, no{});
+      with_edges(yes{}, yes{});
     } else {
-      in.label_smoothing != 0.0 ? with_edges(int32_t(0), no{}, yes{}) : with_edges(int32_t(0), no{}, no{});
+      in.label_smoothing != 0.0 ? with_edges(no{}, yes{}) : with_edges(no{}, no{});
     }
   });
 }
@@ -133,23 +128,12 @@ inline bool use_warp_rows(int64_t rows, int64_t num_packs, int device) {
          rows >= kWarpRowsPerMultiprocessor * multiprocessor_count(device);
 }
 
-// Teams (warps or clusters) for `rows` rows, each team taking every teams-th row: the
-// fewest, at most `resident`, that give every team the same number of rows (the last
-// teams one fewer at most). `resident` teams would leave a last round that only some of
-// them have (8192 rows on 264 teams: 31 rounds, then 8 teams alone for a 32nd), and the
-// GPU would wait on those. Warps and clusters gain; rows by blocks keep every resident
-// block (fewer blocks, fewer loads in flight: notes, v24).
-inline int64_t balanced_teams(int64_t rows, int64_t resident) {
-  const int64_t rounds = (rows + resident - 1) / resident;
-  return (rows + rounds - 1) / rounds;
-}
-
 // How a launch lays rows on the GPU.
 struct RowLaunch {
   int threads;
   int64_t blocks;
-  size_t dynamic_smem;  // bytes: the stash, or the pipelined or claimed-rows kernel's stages
-  int64_t stash_packs;  // packs: stashed, a pipelined segment's, or a claimed row's
+  size_t dynamic_smem;  // bytes: the stash, or the pipelined kernel's stages
+  int64_t stash_packs;  // packs: stashed, or a pipelined segment's
   int cluster_blocks = 1;
   int stages = 0;  // the pipelined kernel's
 };
@@ -160,14 +144,6 @@ struct RowLaunch {
 template <typename T>
 constexpr int stream_threads() {
   return sizeof(T) == 4 ? kMaxThreads : 256;
-}
-
-// Whether sum-only rows streamed by blocks load by 256-byte L2 blocks (kL2Blocks), by the
-// rows' bytes: faster for rows up to 201 KB (notes, v33), slower on the H200 from 256 KB
-// (notes, v35). Not for float64 (slower), warp rows (not measured faster), nor rows read
-// again for a gradient.
-inline bool l2_block_rows(int64_t row_bytes) {
-  return row_bytes <= 224 * 1024;
 }
 
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
@@ -181,8 +157,7 @@ RowLaunch row_launch(Kernel kernel, bool streamed, bool warp_rows, int64_t rows,
                      int device) {
   if (warp_rows) {
     constexpr int warps = kWarpRowsThreads / 32;
-    const int64_t teams = balanced_teams(rows, warps * grid_for(kernel, rows * 32, kWarpRowsThreads, device));
-    return {kWarpRowsThreads, (teams + warps - 1) / warps, 0, 0};
+    return {kWarpRowsThreads, grid_for(kernel, rows * 32, kWarpRowsThreads, device), 0, 0};
   }
   int threads = stream_block_threads;
   size_t smem = 0;
@@ -239,7 +214,7 @@ RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_
       resident_clusters = resident_clusters_of(kernel, cluster_blocks, kPipelineThreads, device, smem);
     }
     if (resident_clusters == 0) continue;
-    const int64_t clusters = balanced_teams(rows, std::min(resident_clusters, rows));
+    const int64_t clusters = std::min(resident_clusters, rows);
     RowLaunch launch{kPipelineThreads, clusters * cluster_blocks, smem, segment_packs};
     launch.cluster_blocks = cluster_blocks;
     launch.stages = stages;
@@ -248,43 +223,21 @@ RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_
   return {0, 0, 0, 0};
 }
 
-// The claimed-rows kernel's launch (sm_90), or blocks == 0 where rows are too long or too
-// few for it: a stage of a row per warp (with its alignment slack), kClaimedRowsBytes of
-// rows per multiprocessor (whole rows in flight, enough to keep the reads at full speed),
-// at most kClaimedRowsWarps warps a block and at least 4, and kClaimedRowsPerWarp rows for
-// each warp. The row counter is 32-bit.
-template <typename Kernel>
-RowLaunch claimed_rows_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
-  const size_t row_bytes = num_packs * pack_bytes;
-  const int64_t warps = std::min<int64_t>(kClaimedRowsWarps, kClaimedRowsBytes / row_bytes);
-  const size_t smem = warps * claimed_stage_bytes(row_bytes) + kClaimedStageAlign;
-  if (warps < 4 || rows >= (int64_t(1) << 31) || smem > max_dynamic_smem(kernel, device)) return {0, 0, 0, 0};
-  const int threads = static_cast<int>(warps * 32);
-  const int64_t per_sm = std::min<int64_t>(resident_blocks_per_sm(kernel, threads, device, smem),
-                                           kClaimedRowsBytes / (warps * row_bytes));
-  const int64_t blocks = multiprocessor_count(device) * per_sm;
-  if (rows < kClaimedRowsPerWarp * warps * blocks) return {0, 0, 0, 0};
-  return {threads, blocks, smem, num_packs};
-}
-
 // ---------------------------------------------------------------------------------
 // The path: which kernel takes a call.
 
 // One value per kernel path. Their names (cross_entropy_path_name) are what the bindings'
 // cross_entropy_path returns and force_cross_entropy_path takes.
 enum class CrossEntropyPath {
-  kRegisterRows,            // cross_entropy_kernel: a block per row, the row in registers
-  kWarpRows,                // cross_entropy_kernel (kWarpRows): a scalar loss alone, a warp streams each row
-  kClaimedRows,             // cross_entropy_claimed_rows_kernel (sm_90): warp rows claimed from a counter
-  kStreamedSumRows,         // cross_entropy_kernel (kStreamed, kSumOnly): a scalar loss alone, a block streams each row
-  kStreamedSumRowsL2Blocks, // the same with loads by 256-byte L2 blocks (kL2Blocks)
-  kStashedRows,             // cross_entropy_kernel (kStreamed): outputs too, the row's front stashed for the gradient
-  kPipelinedRows,           // cross_entropy_pipelined_kernel (sm_90): gradients, rows through the copy engine
+  kRegisterRows,     // cross_entropy_kernel: a block per row, the row in registers
+  kWarpRows,         // cross_entropy_kernel (kWarpRows): a scalar loss alone, a warp streams each row
+  kStreamedSumRows,  // cross_entropy_kernel (kStreamed, kSumOnly): a scalar loss alone, a block streams each row
+  kStashedRows,      // cross_entropy_kernel (kStreamed): outputs too, the row's front stashed for the gradient
+  kPipelinedRows,    // cross_entropy_pipelined_kernel (sm_90): gradients, rows through the copy engine
 };
 
 constexpr const char* kCrossEntropyPathNames[] = {
-    "register_rows", "warp_rows", "claimed_rows", "streamed_sum_rows", "streamed_sum_rows_l2_blocks", "stashed_rows",
-    "pipelined_rows"};
+    "register_rows", "warp_rows", "streamed_sum_rows", "stashed_rows", "pipelined_rows"};
 constexpr int kCrossEntropyPaths = sizeof(kCrossEntropyPathNames) / sizeof(kCrossEntropyPathNames[0]);
 
 inline const char* cross_entropy_path_name(CrossEntropyPath path) {
@@ -298,7 +251,6 @@ struct CrossEntropyCall {
   bool sum_only;      // a scalar loss and nothing else: no gradient, lse or per-row loss
   bool want_grad;     // a gradient is written
   int device;
-  cudaStream_t stream;
 };
 
 // Rows too long for the register cache are streamed.
@@ -314,19 +266,13 @@ constexpr bool sm90_kernels_take() {
   return !Cfg::probs && !Cfg::class_sums && sizeof(typename Cfg::scalar) <= 4;
 }
 
-// The launch of an sm_90 kernel (kPipelinedRows or kClaimedRows), or blocks == 0 where
-// the call does not fit it.
+// The pipelined kernel's launch (sm_90), or blocks == 0 where the call does not fit it.
 template <typename Cfg>
-RowLaunch sm90_launch(CrossEntropyPath path, const CrossEntropyCall& call) {
+RowLaunch sm90_launch(const CrossEntropyCall& call) {
   if constexpr (sm90_kernels_take<Cfg>()) {
     using T = typename Cfg::scalar;
-    const size_t pack_bytes = sizeof(Pack<T, Cfg::vec>);
-    if (path == CrossEntropyPath::kPipelinedRows) {
-      return pipelined_launch(cross_entropy_pipelined_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>, call.rows,
-                              call.num_packs, pack_bytes, call.device);
-    }
-    return claimed_rows_launch(cross_entropy_claimed_rows_kernel<T, typename Cfg::index, Cfg::vec, Cfg::edges>,
-                               call.rows, call.num_packs, pack_bytes, call.device);
+    return pipelined_launch(cross_entropy_pipelined_kernel<T, Cfg::vec, Cfg::edges>, call.rows, call.num_packs,
+                            sizeof(Pack<T, Cfg::vec>), call.device);
   }
   return {0, 0, 0, 0};
 }
@@ -344,24 +290,13 @@ const char* why_path_cannot_run(CrossEntropyPath path, const CrossEntropyCall& c
       return call.sum_only ? nullptr : not_sum_only;
     case CrossEntropyPath::kStreamedSumRows:
       return call.sum_only ? nullptr : not_sum_only;
-    case CrossEntropyPath::kStreamedSumRowsL2Blocks:
-      if (sizeof(typename Cfg::scalar) > 4) return "it takes 2- or 4-byte logits";
-      return call.sum_only ? nullptr : not_sum_only;
     case CrossEntropyPath::kStashedRows:
-      return nullptr;
-    case CrossEntropyPath::kClaimedRows:
-      if (!sm90_supported(call.device)) return "it needs sm_90";
-      if (!sm90_kernels_take<Cfg>()) return "it takes class-index targets without label smoothing, 2- or 4-byte logits";
-      if (!call.sum_only) return not_sum_only;
-      if (call.num_packs == 0) return "its rows are shorter than a 16-byte pack";
-      if (finish_ticket(call.device, call.stream) == nullptr) return "it needs the stream's ticket (none in a graph capture)";
-      if (sm90_launch<Cfg>(path, call).blocks == 0) return "the rows are too long for a warp's stage, or too few";
       return nullptr;
     case CrossEntropyPath::kPipelinedRows:
       if (!sm90_supported(call.device)) return "it needs sm_90";
       if (!sm90_kernels_take<Cfg>()) return "it takes class-index targets without label smoothing, 2- or 4-byte logits";
       if (!call.want_grad) return "it writes a gradient";
-      if (sm90_launch<Cfg>(path, call).blocks == 0) return "a row's segments do not fit in shared memory";
+      if (sm90_launch<Cfg>(call).blocks == 0) return "a row's segments do not fit in shared memory";
       return nullptr;
   }
   return "it is no path";
@@ -372,7 +307,6 @@ template <typename Cfg>
 CrossEntropyPath choose_cross_entropy_path(const CrossEntropyCall& call) {
   using Path = CrossEntropyPath;
   const bool long_row = is_long_row<Cfg>(call);
-  const size_t row_bytes = call.num_packs * sizeof(Pack<typename Cfg::scalar, Cfg::vec>);
   // sm_90, a long row's gradient (class indices without label smoothing, 2- or 4-byte
   // logits): through the copy engine, read once, where a row's segments fit.
   if (long_row && call.want_grad && why_path_cannot_run<Cfg>(Path::kPipelinedRows, call) == nullptr) {
@@ -381,19 +315,13 @@ CrossEntropyPath choose_cross_entropy_path(const CrossEntropyCall& call) {
   // A long row with outputs (gradient, lse, per-row loss): streamed by a block, its front
   // stashed in shared memory for the gradient pass (an A100's long rows with a gradient).
   if (long_row && !call.sum_only) return Path::kStashedRows;
-  // A long row's scalar loss alone, up to 224 KB of 2- or 4-byte logits: streamed by a
-  // block, loads by L2 blocks.
-  if (long_row && sizeof(typename Cfg::scalar) <= 4 && l2_block_rows(row_bytes)) return Path::kStreamedSumRowsL2Blocks;
-  // Any other long row's scalar loss alone: streamed by a block.
+  // A long row's scalar loss alone: streamed by a block.
   if (long_row) return Path::kStreamedSumRows;
-  const bool warp_rows = !Cfg::probs && !Cfg::class_sums && call.sum_only &&
-                         use_warp_rows(call.rows, call.num_packs, call.device);
-  // sm_90, warp rows (below) of 2- or 4-byte logits, where the stream has a ticket and
-  // there are enough rows: claimed by the warps from the stream's counter.
-  if (warp_rows && why_path_cannot_run<Cfg>(Path::kClaimedRows, call) == nullptr) return Path::kClaimedRows;
   // A scalar loss alone over many rows (use_warp_rows), class indices without label
   // smoothing: a warp streams each row.
-  if (warp_rows) return Path::kWarpRows;
+  if (!Cfg::probs && !Cfg::class_sums && call.sum_only && use_warp_rows(call.rows, call.num_packs, call.device)) {
+    return Path::kWarpRows;
+  }
   // Every other row: a block per row, the row in registers.
   return Path::kRegisterRows;
 }
@@ -423,12 +351,12 @@ struct CrossEntropyOutputs {
   at::Tensor loss, loss_per_row, lse, grad_logits, grad_target;
 };
 
-// The facts of a call on the current stream, with packs of `vec` elements: whether it
-// computes a scalar loss, writes a gradient, and writes the lse.
+// The facts of a call, with packs of `vec` elements: whether it computes a scalar loss,
+// writes a gradient, and writes the lse.
 inline CrossEntropyCall cross_entropy_call(const CrossEntropyInputs& in, bool scalar_loss, bool want_grad,
                                            bool want_lse, int vec) {
   return {in.logits.size(0), in.logits.size(1) / vec, scalar_loss && !want_grad && !want_lse, want_grad,
-          in.logits.get_device(), c10::cuda::getCurrentCUDAStream()};
+          in.logits.get_device()};
 }
 
 // The kernel of a path and its launch shape.
@@ -436,40 +364,31 @@ template <typename Cfg>
 std::pair<void (*)(CrossEntropyParams<typename Cfg::scalar>), RowLaunch> path_kernel(CrossEntropyPath path,
                                                                                      const CrossEntropyCall& call) {
   using T = typename Cfg::scalar;
-  using index_t = typename Cfg::index;
   constexpr int VEC = Cfg::vec;
   using Path = CrossEntropyPath;
   void (*kernel)(CrossEntropyParams<T>) = nullptr;
   switch (path) {
     case Path::kRegisterRows:
-      kernel = call.sum_only ? cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, false, true>
-                             : cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, false, false>;
+      kernel = call.sum_only ? cross_entropy_kernel<T, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, false, true>
+                             : cross_entropy_kernel<T, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, false, false>;
       break;
     case Path::kStreamedSumRows:
-      kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, true>;
+      kernel = cross_entropy_kernel<T, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, true>;
       break;
     case Path::kStashedRows:
-      kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, false>;
-      break;
-    case Path::kStreamedSumRowsL2Blocks:
-      if constexpr (sizeof(T) <= 4) {
-        kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, true, false, true>;
-      }
+      kernel = cross_entropy_kernel<T, VEC, Cfg::edges, Cfg::probs, Cfg::class_sums, true, false>;
       break;
     case Path::kWarpRows:
       if constexpr (!Cfg::probs && !Cfg::class_sums) {
-        kernel = cross_entropy_kernel<T, index_t, VEC, Cfg::edges, false, false, true, true, true>;
+        kernel = cross_entropy_kernel<T, VEC, Cfg::edges, false, false, true, true, true>;
       }
       break;
     case Path::kPipelinedRows:
-      if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_pipelined_kernel<T, index_t, VEC, Cfg::edges>;
-      break;
-    case Path::kClaimedRows:
-      if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_claimed_rows_kernel<T, index_t, VEC, Cfg::edges>;
+      if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_pipelined_kernel<T, VEC, Cfg::edges>;
       break;
   }
   TORCH_CHECK(kernel != nullptr, "cross_entropy: internal error: no kernel for ", cross_entropy_path_name(path));
-  if (path == Path::kPipelinedRows || path == Path::kClaimedRows) return {kernel, sm90_launch<Cfg>(path, call)};
+  if (path == Path::kPipelinedRows) return {kernel, sm90_launch<Cfg>(call)};
   const RowLaunch launch =
       row_launch(kernel, path != Path::kRegisterRows, path == Path::kWarpRows, call.rows, call.num_packs,
                  cache_packs<Cfg::probs>(), sizeof(Pack<T, VEC>), call.want_grad, stream_threads<T>(),
@@ -497,7 +416,7 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     const auto [kernel, launch] = path_kernel<Cfg>(cross_entropy_path_of<Cfg>(call), call);
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
-    params.target = in.target.data_ptr();
+    params.target = {in.target.data_ptr(), !in.probs && in.target.scalar_type() == at::kInt};
     params.weight = data_or_null<acc_t>(in.weight);
     params.rows = rows;
     params.num_classes = in.logits.size(1);
@@ -524,8 +443,7 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     // before its first row: counted by every block of the loss kernel up to
     // kRowsCountedPerBlock rows, else by its own kernel first. Without a gradient the loss
     // kernel's blocks count after their rows (one launch fewer: 2 us, and a 1 us gap).
-    using index_t = typename Cfg::index;
-    auto count_kernel = count_targets_kernel<index_t, acc_t>;
+    auto count_kernel = count_targets_kernel<acc_t>;
     const int count_threads = 256;
     const bool divided = reduction == kMean && !Cfg::probs;
     const bool counted_by_blocks = divided && !want_grad;
@@ -536,8 +454,7 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
                                  : counted_here       ? 1
                                                       : grid_for(count_kernel, rows, count_threads, device);
     // One allocation (launch-bound calls feel each one): per block, the ce and z sums
-    // (2, num_partials; the claimed-rows kernel's blocks add into the stream's exact sums
-    // instead), and for 'mean' with class indices the divisors (2, num_divisors).
+    // (2, num_partials), and for 'mean' with class indices the divisors (2, num_divisors).
     const at::Tensor workspace = at::empty({2 * (num_partials + num_divisors)}, in.logits.options().dtype(at::kDouble));
     sum_t* partials = workspace.data_ptr<sum_t>();
     sum_t* divisors = divided ? partials + 2 * num_partials : nullptr;
@@ -546,7 +463,7 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     } else if (counted_here) {
       params.counted_divisors = divisors;
     } else if (divided) {
-      launch_kernel(count_kernel, num_divisors, count_threads, 0, 1, stream, in.target.data_ptr<index_t>(), rows,
+      launch_kernel(count_kernel, num_divisors, count_threads, 0, 1, stream, params.target, rows,
                     params.num_classes, in.ignore_index, params.weight, divisors);
       params.divisors = divisors;
       params.num_divisors = num_divisors;

@@ -2,7 +2,7 @@
 // brought into shared memory by the copy engine, split among a cluster of blocks.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/OpMathType.h>
 
 #include <algorithm>
@@ -90,7 +90,7 @@ __device__ __forceinline__ void write_segment_gradient(const CrossEntropyParams<
   }
 }
 
-template <typename T, typename index_t, int VEC, bool kEdges>
+template <typename T, int VEC, bool kEdges>
 __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kernel(CrossEntropyParams<T> params) {
   using acc_t = at::opmath_type<T>;
   using Pair = MaxSum<acc_t, exp_sum_type<T>>;
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) fill_stage(s, s);
   }
-  const GradientScales<acc_t> scales = gradient_scales<T, index_t, false>(params, true, scratch_sum);
+  const GradientScales<acc_t> scales = gradient_scales<T, false>(params, true, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in thread 0
 
   // The k-th row's stage (k % stages) and the parity of its barrier's phase (k / stages
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   for (int64_t k = 0; row_of(k) < params.rows; ++k) {
     const int64_t row = row_of(k);
     const T* x = params.logits + row * num_classes;
-    const RowTarget t = row_target<index_t, false>(params, row);
+    const RowTarget t = row_target<false>(params, row);
     const RowEdges<T, VEC, kEdges> edges(x, num_classes);
     const int64_t begin = segment_begin(edges), packs = segment_end(edges) - begin;
     // The row's edge elements are rank 0's, read from memory (no other block writes them).

@@ -4,7 +4,7 @@
 // for 'mean'. The formulas are cross_entropy.cu's header.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
@@ -264,15 +264,26 @@ struct RowTarget {
 // ---------------------------------------------------------------------------------
 // Targets counted for 'mean', the kernels' parameters, and a row's end.
 
+// The targets: class indices, int64 or int32 (told apart at run time: one load a row, so a
+// template flag would only double the instantiations), or T (rows, C) probabilities.
+struct Targets {
+  const void* data;
+  bool int32;
+
+  __device__ __forceinline__ int64_t index(int64_t row) const {
+    return int32 ? static_cast<const int32_t*>(data)[row] : static_cast<const int64_t*>(data)[row];
+  }
+};
+
 // The divisors of 'mean' with class indices, the weight and the number of targets !=
 // ignore_index, over rows first, first + stride, ... < rows; summed over the block.
-template <typename index_t, typename acc_t>
-__device__ __forceinline__ void count_targets(const index_t* target, int64_t first, int64_t stride, int64_t rows,
+template <typename acc_t>
+__device__ __forceinline__ void count_targets(Targets target, int64_t first, int64_t stride, int64_t rows,
                                               int64_t num_classes, int64_t ignore_index, const acc_t* weight,
                                               sum_t* scratch, sum_t& weight_sum, sum_t& count) {
   weight_sum = count = 0;
   for (int64_t r = first; r < rows; r += stride) {
-    const int64_t t = static_cast<int64_t>(target[r]);
+    const int64_t t = target.index(r);
     if (t == ignore_index) continue;
     count += 1;
     // An index outside [0, C) makes its row's loss NaN; it must not be read from weight.
@@ -289,8 +300,8 @@ __device__ __forceinline__ void count_targets(const index_t* target, int64_t fir
 // count_targets_kernel, or by the loss kernel's blocks after their rows when no gradient
 // waits for the divisors. Not inlined: inlined after the rows, it costs the loss kernel's
 // row loop registers (rows in registers, fp32: 90 -> 120).
-template <typename index_t, typename acc_t>
-__device__ __noinline__ void count_block_targets(const index_t* target, int64_t rows, int64_t num_classes,
+template <typename acc_t>
+__device__ __noinline__ void count_block_targets(Targets target, int64_t rows, int64_t num_classes,
                                                  int64_t ignore_index, const acc_t* weight, sum_t* scratch,
                                                  sum_t* divisors) {
   sum_t weight_sum, count;
@@ -302,8 +313,8 @@ __device__ __noinline__ void count_block_targets(const index_t* target, int64_t 
   }
 }
 
-template <typename index_t, typename acc_t>
-__global__ void count_targets_kernel(const index_t* target, int64_t rows, int64_t num_classes,
+template <typename acc_t>
+__global__ void count_targets_kernel(Targets target, int64_t rows, int64_t num_classes,
                                      int64_t ignore_index, const acc_t* weight, sum_t* divisors) {
   __shared__ sum_t scratch[32];
   wait_for_previous_kernel();
@@ -317,7 +328,7 @@ constexpr int64_t kRowsCountedPerBlock = 1024;
 template <typename T>
 struct CrossEntropyParams {
   const T* logits;            // (rows, C)
-  const void* target;         // index_t (rows) or T (rows, C) probabilities
+  Targets target;
   const at::opmath_type<T>* weight;  // (C) or nullptr
   int64_t rows, num_classes, ignore_index;
   double label_smoothing, z_loss;
@@ -329,7 +340,7 @@ struct CrossEntropyParams {
   sum_t* counted_divisors;  // or, up to kRowsCountedPerBlock rows: every block counts, block 0 writes (2, 1)
   // Or, without a gradient (nothing waits for them): each block counts what
   // count_targets_kernel's block of the same index would (count_block_targets), (2,
-  // gridDim.x), after its rows (before them in the claimed-rows kernel).
+  // gridDim.x), after its rows.
   sum_t* divisors_by_blocks;
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
   // Outputs, each nullptr when not wanted.
@@ -355,14 +366,14 @@ struct GradientScales {
   acc_t ce, z;
 };
 
-template <typename T, typename index_t, bool kProbs, typename acc_t = at::opmath_type<T>>
+template <typename T, bool kProbs, typename acc_t = at::opmath_type<T>>
 __device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntropyParams<T>& params, bool want_grad,
                                                                  sum_t* scratch) {
   GradientScales<acc_t> scales{static_cast<acc_t>(params.ce_scale), static_cast<acc_t>(params.ce_scale)};
   if constexpr (!kProbs) {
     if (params.counted_divisors != nullptr) {
       sum_t weight_sum, count;
-      count_targets(static_cast<const index_t*>(params.target), threadIdx.x, blockDim.x, params.rows,
+      count_targets(params.target, threadIdx.x, blockDim.x, params.rows,
                     params.num_classes, params.ignore_index, params.weight, scratch, weight_sum, count);
       if (blockIdx.x == 0 && threadIdx.x == 0) {
         params.counted_divisors[0] = weight_sum;
@@ -383,11 +394,11 @@ __device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntr
   return scales;
 }
 
-template <typename index_t, bool kProbs, typename T>
+template <bool kProbs, typename T>
 __device__ __forceinline__ RowTarget row_target(const CrossEntropyParams<T>& params, int64_t row) {
   RowTarget t{-1, false, true};
   if constexpr (!kProbs) {
-    t.index = static_cast<int64_t>(static_cast<const index_t*>(params.target)[row]);
+    t.index = params.target.index(row);
     t.ignored = t.index == params.ignore_index;
     t.valid = t.index >= 0 && t.index < params.num_classes;
   }

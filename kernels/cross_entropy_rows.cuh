@@ -2,7 +2,7 @@
 // by a block per row, or without a gradient by a warp per row.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
@@ -46,12 +46,10 @@ constexpr int kStreamLoadsAhead = 4;
 // probabilities when kProbs), kStreamLoadsAhead packs in flight per thread: visit(x, y,
 // index). `backwards` visits the row from its end: a second pass over a row then starts
 // with what the first pass read last, the part most likely still in L2 (front to back,
-// each miss would evict the next part this pass needs). kL2Block: loads that ask L2 for
-// 256-byte blocks (load_pack_l2_block), for rows read once and never written here.
-template <typename T, int VEC, bool kProbs, bool kL2Block = false, typename Team, typename Visit>
+// each miss would evict the next part this pass needs).
+template <typename T, int VEC, bool kProbs, typename Team, typename Visit>
 __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_t num_packs, bool backwards,
                                                   const Team& team, Visit visit) {
-  auto load = [](const T* ptr) { return kL2Block ? load_pack_l2_block<T, VEC>(ptr) : load_pack<T, VEC>(ptr); };
   Pack<T, VEC> none;
   auto pack_at = [&](int64_t p) { return backwards ? num_packs - 1 - p : p; };
   int64_t p = team.rank();
@@ -59,15 +57,15 @@ __device__ __forceinline__ void for_each_row_pack(const T* x, const T* y, int64_
     Pack<T, VEC> xs[kStreamLoadsAhead], ys[kProbs ? kStreamLoadsAhead : 1];
 #pragma unroll
     for (int u = 0; u < kStreamLoadsAhead; ++u) {
-      xs[u] = load(x + pack_at(p + u * team.size()) * VEC);
-      if constexpr (kProbs) ys[u] = load(y + pack_at(p + u * team.size()) * VEC);
+      xs[u] = load_pack<T, VEC>(x + pack_at(p + u * team.size()) * VEC);
+      if constexpr (kProbs) ys[u] = load_pack<T, VEC>(y + pack_at(p + u * team.size()) * VEC);
     }
 #pragma unroll
     for (int u = 0; u < kStreamLoadsAhead; ++u) visit(xs[u], kProbs ? ys[u] : none, pack_at(p + u * team.size()));
   }
   for (; p < num_packs; p += team.size()) {
     const int64_t q = pack_at(p);
-    visit(load(x + q * VEC), kProbs ? load(y + q * VEC) : none, q);
+    visit(load_pack<T, VEC>(x + q * VEC), kProbs ? load_pack<T, VEC>(y + q * VEC) : none, q);
   }
 }
 
@@ -200,13 +198,11 @@ __device__ __forceinline__ void write_row_gradient(const CrossEntropyParams<T>& 
 // (more blocks per multiprocessor, for the forward of a no-grad call). kWarpRows: the
 // sum-only streamed kernel with a warp per row rather than a block (RowTeam; class-index
 // targets without label smoothing, the forward's usual case).
-template <typename T, typename index_t, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed,
-          bool kSumOnly, bool kWarpRows = false, bool kL2Blocks = false>
+template <typename T, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool kStreamed,
+          bool kSumOnly, bool kWarpRows = false>
 __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kProbs, kClassSums) : kMaxThreads)
     cross_entropy_kernel(CrossEntropyParams<T> params) {
   static_assert(!kWarpRows || (kStreamed && kSumOnly && !kProbs && !kClassSums), "warp rows: sum-only, streamed");
-  static_assert(!kL2Blocks || (kStreamed && kSumOnly && !kWarpRows && sizeof(T) <= 4),
-                "loads by L2 blocks: sum-only rows streamed by blocks, 2- or 4-byte logits (l2_block_rows)");
   using acc_t = at::opmath_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
@@ -225,13 +221,13 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
   wait_for_previous_kernel();
-  const GradientScales<acc_t> scales = gradient_scales<T, index_t, kProbs>(params, want_grad, scratch_sum);
+  const GradientScales<acc_t> scales = gradient_scales<T, kProbs>(params, want_grad, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in team leaders
 
   for (int64_t row = team.first_row(); row < params.rows; row += team.row_stride()) {
     const T* x = params.logits + row * num_classes;
-    const T* y = kProbs ? static_cast<const T*>(params.target) + row * num_classes : nullptr;
-    const RowTarget t = row_target<index_t, kProbs>(params, row);
+    const T* y = kProbs ? static_cast<const T*>(params.target.data) + row * num_classes : nullptr;
+    const RowTarget t = row_target<kProbs>(params, row);
     // The target's logit, for thread 0's loss. Read after the row's loads are issued (its
     // address waits for the target index), and before the first barrier, after which
     // threads may overwrite the row with its gradient (inplace_backward).
@@ -276,7 +272,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
                                            params.weight, first_logit));
         }
       }
-      for_each_row_pack<T, VEC, kProbs, kL2Blocks>(x_packs, y_packs, num_packs, false, team,
+      for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false, team,
                                                    [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
         acc = add_pack(acc, xp);
         if (!kSumOnly && p < stash_packs) stash[p] = xp;
@@ -316,7 +312,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   }
   if constexpr (!kProbs) {
     if (params.divisors_by_blocks != nullptr) {
-      count_block_targets(static_cast<const index_t*>(params.target), params.rows, num_classes, params.ignore_index,
+      count_block_targets(params.target, params.rows, num_classes, params.ignore_index,
                           params.weight, scratch_sum, params.divisors_by_blocks);
     }
   }

@@ -8,7 +8,10 @@
 // some machines has no cuBLAS/cuSPARSE headers, which ATen/cuda/CUDAContext.h needs.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/OpMathType.h>
 
 #include <cuda_runtime.h>
@@ -109,23 +112,6 @@ struct alignas(sizeof(T) * VEC) Pack {
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load_pack(const T* ptr) {
   return *reinterpret_cast<const Pack<T, VEC>*>(ptr);
-}
-
-// A 16-byte load of read-only data that asks L2 to fetch the whole 256-byte block around
-// it (sm_80 and later; a plain load elsewhere). Where few bytes are in flight per block,
-// L2 then runs ahead of the loads: cross-entropy rows streamed by blocks (notes, v33).
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_pack_l2_block(const T* ptr) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (sizeof(Pack<T, VEC>) == 16) {
-    uint4 v;
-    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(ptr));
-    return *reinterpret_cast<const Pack<T, VEC>*>(&v);
-  }
-#endif
-  return load_pack<T, VEC>(ptr);
 }
 
 template <typename T, int VEC>

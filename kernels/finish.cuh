@@ -1,6 +1,6 @@
-// finish.cuh: the end of every scalar reduction: exact sums of floats, the finish that
-// adds the blocks' partials in a fixed order, the per-stream ticket, and the backward of
-// a scalar loss (scale_by_grad_output_).
+// finish.cuh: the end of every scalar reduction: the finish that adds the blocks' partials
+// in a fixed order, the per-stream ticket, and the backward of a scalar loss
+// (scale_by_grad_output_).
 //
 // Scalar reductions are deterministic to the bit: every block writes one partial sum,
 // then the kernel's last block adds the partials in a fixed order (see Finish). The grid
@@ -8,7 +8,7 @@
 // bits run after run.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,81 +20,6 @@
 #include "ops.h"
 
 namespace fused_losses {
-
-// ---------------------------------------------------------------------------------
-// Exact sums of floats, for sums whose order is not fixed: where rows are claimed from a
-// counter, which block adds which row changes from run to run, and a float sum would
-// change its last bits with it. A finite float is m * 2^(p - 149) with an integer
-// m < 2^24 and p in [0, 253]; it is added as that integer, in 32-bit digits, each limb
-// an int64 collecting the digits of its place (room for 2^31 additions). Integer sums
-// are the same in any order, so the total and the double made from it are too.
-
-constexpr int kExactLimbs = 9;                // 9 x 32 bits hold p + 24 bits and the carries
-constexpr int kExactWords = kExactLimbs + 1;  // the limbs, then the specials' bits
-constexpr unsigned long long kExactNaN = 1, kExactPlusInf = 2, kExactMinusInf = 4;
-
-// Every lane of a warp adds its value where `has` (the whole warp calls it) into sum
-// (kExactWords words in shared memory, which other warps may add to as well): the lanes'
-// digits are added place by place across the warp first (32 digits < 2^37: no overflow),
-// then lane 0 adds each place the warp touched, one atomic each. Losses of one size share
-// one or two places, so a warp's 32 values cost a few shuffles and atomics, where one
-// atomic per digit (warps contending for the same two places) cost 10 us a call at the
-// end of a 32768-row kernel (notes, v28).
-__device__ __forceinline__ void warp_exact_add(unsigned long long* sum, float value, bool has) {
-  const uint32_t bits = __float_as_uint(value);
-  const uint32_t biased_exponent = (bits >> 23) & 0xffu;
-  const bool negative = bits >> 31;
-  const bool special = has && biased_exponent == 0xffu;
-  const unsigned special_bits = !special ? 0u : (bits & 0x7fffffu) != 0 ? kExactNaN : negative ? kExactMinusInf : kExactPlusInf;
-  uint64_t m = bits & 0x7fffffu;
-  if (biased_exponent != 0) m |= 0x800000u;  // normal: the implicit leading 1
-  const bool counted = has && !special && m != 0;
-  const int p = biased_exponent == 0 ? 0 : static_cast<int>(biased_exponent) - 1;
-  const uint64_t shifted = m << (p % 32);
-  const unsigned place = p / 32;
-  const long long sign = negative ? -1 : 1;
-  const long long low = sign * static_cast<long long>(shifted & 0xffffffffu);
-  const long long high = sign * static_cast<long long>(shifted >> 32);
-  const unsigned lowest = __reduce_min_sync(0xffffffffu, counted ? place : kExactLimbs);
-  const unsigned highest = __reduce_max_sync(0xffffffffu, counted ? place + 1 : 0);
-  const unsigned specials = __reduce_or_sync(0xffffffffu, special_bits);
-  const bool lane0 = threadIdx.x % 32 == 0;
-  if (lane0 && specials != 0) atomicOr(&sum[kExactLimbs], static_cast<unsigned long long>(specials));
-  for (unsigned limb = lowest; limb <= highest; ++limb) {
-    long long digits = !counted ? 0 : place == limb ? low : place + 1 == limb ? high : 0;
-    digits = warp_allreduce(digits, SumOp<long long>());
-    if (lane0 && digits != 0) atomicAdd(&sum[limb], static_cast<unsigned long long>(digits));
-  }
-}
-
-// The sum as a double (its digits added from the top down), from its limbs (as int64)
-// and specials: NaN where a float sum gives one (a NaN, or +inf and -inf), else +-inf.
-__device__ inline double exact_total(const long long* limbs, unsigned long long specials) {
-  if ((specials & kExactNaN) || (specials & (kExactPlusInf | kExactMinusInf)) == (kExactPlusInf | kExactMinusInf)) {
-    return __longlong_as_double(0x7ff8000000000000ll);
-  }
-  if (specials & kExactPlusInf) return __longlong_as_double(0x7ff0000000000000ll);
-  if (specials & kExactMinusInf) return __longlong_as_double(0xfff0000000000000ll);
-  // Carries make every limb below the top a digit in [0, 2^32); the top keeps the sign.
-  // A negative total is negated and carried again, so the digits add up without cancelling.
-  long long digits[kExactLimbs];
-  long long sign = 1;
-  for (int pass = 0; pass < 2; ++pass) {
-    long long carry = 0;
-#pragma unroll
-    for (int i = 0; i < kExactLimbs; ++i) {
-      const long long v = sign * limbs[i] + carry;
-      carry = i + 1 < kExactLimbs ? v >> 32 : 0;
-      digits[i] = v - carry * (1ll << 32);
-    }
-    if (digits[kExactLimbs - 1] >= 0) break;
-    sign = -1;
-  }
-  double total = 0;
-#pragma unroll
-  for (int i = kExactLimbs - 1; i >= 0; --i) total += ldexp(static_cast<double>(digits[i]), 32 * i - 149);
-  return static_cast<double>(sign) * total;
-}
 
 // ---------------------------------------------------------------------------------
 // Stage two of every scalar reduction: one block adds the per-block partials in a
@@ -124,9 +49,6 @@ struct Finish {
   void* loss = nullptr;  // 0-dim, of loss_type
   c10::ScalarType loss_type = c10::ScalarType::Float;
   unsigned int* ticket = nullptr;  // the loss kernel's finished blocks; nullptr: finish_sum_kernel
-  // Beside the ticket: exact sums (kMaxTerms x kExactWords) that a kernel's blocks add into
-  // (finish_partials<true>); zero between launches.
-  unsigned long long* exact_sums = nullptr;
 };
 
 template <typename out_t>
@@ -135,9 +57,6 @@ __device__ __forceinline__ void store_as(void* out, double value) {
 }
 
 // Partials are read through L2 (ld.global.cg): other blocks of the same launch wrote them.
-// kExact: the blocks added exact sums (warp_exact_add) into finish.exact_sums instead of
-// writing partials; an instantiation of its own, so the others keep their registers.
-template <bool kExact = false>
 __device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
   // Every load of every term and divisor goes out before any is added: one trip to memory
   // rather than one per term and divisor (cross-entropy's 'mean' made four: 4.4-5.3 us
@@ -148,26 +67,11 @@ __device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
 #pragma unroll
     for (int term = 0; term < kMaxTerms; ++term) {
-      if (!kExact && term < finish.num_terms && i < finish.num_partials) {
+      if (term < finish.num_terms && i < finish.num_partials) {
         totals[term] += __ldcg(finish.partials + term * finish.num_partials + i);
       }
       if (term < finish.num_terms && i < finish.num_divisors) {
         divisor_sums[term] += __ldcg(finish.divisors + term * finish.num_divisors + i);
-      }
-    }
-  }
-  if constexpr (kExact) {
-    // One set of words for the whole launch (blocks that each wrote theirs cost a 2-3 us
-    // longer finish: notes, v30): read them, and zero them for the stream's next launch.
-    if (threadIdx.x == 0) {
-      for (int term = 0; term < finish.num_terms; ++term) {
-        unsigned long long* sum = finish.exact_sums + term * kExactWords;
-        long long words[kExactWords];
-#pragma unroll
-        for (int w = 0; w < kExactWords; ++w) words[w] = static_cast<long long>(__ldcg(sum + w));
-#pragma unroll
-        for (int w = 0; w < kExactWords; ++w) sum[w] = 0;
-        totals[term] = exact_total(words, static_cast<unsigned long long>(words[kExactLimbs]));
       }
     }
   }
@@ -210,26 +114,20 @@ __device__ __forceinline__ bool take_ticket_is_last(unsigned int* ticket) {
 
 // The end of a loss kernel, after thread 0 wrote the block's partials (and divisors), or
 // other threads wrote them before a __syncthreads: the last block to get here adds everyone's.
-template <bool kExact = false>
 __device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t* scratch) {
   if (finish.ticket == nullptr) return;
   __shared__ bool last;
   if (threadIdx.x == 0) last = take_ticket_is_last(finish.ticket);
   __syncthreads();
   if (!last) return;
-  finish_partials<kExact>(finish, scratch);
-  if (threadIdx.x == 0) {  // ready for the stream's next launch
-    finish.ticket[0] = 0;
-    finish.ticket[1] = 0;
-  }
+  finish_partials(finish, scratch);
+  if (threadIdx.x == 0) *finish.ticket = 0;  // ready for the stream's next launch
 }
 
-// The ticket of `stream`: two counters, then exact sums (Finish::exact_sums), zeroed once,
-// that each launch's last block sets back to 0: ticket[0] counts the launch's finished
-// blocks, ticket[1] is the next row of a kernel whose warps claim rows (cross-entropy's
-// claimed rows). One per stream and device, since launches on one stream never overlap
-// and on two they may. Kept for the life of the process (168 bytes per stream: torch's
-// streams come from a fixed pool).
+// The ticket of `stream`: a counter of the launch's finished blocks, zeroed once, that each
+// launch's last block sets back to 0. One per stream and device, since launches on one
+// stream never overlap and on two they may. Kept for the life of the process (4 bytes per
+// stream: torch's streams come from a fixed pool).
 // nullptr while the stream is being captured into a CUDA graph: a graph may be replayed
 // on another stream, beside launches on this one. nullptr for cudaStreamPerThread too:
 // one handle that names another stream in each host thread.
@@ -240,7 +138,7 @@ inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
     // A tensor never destroyed: its memory stays ours, and no destructor runs after the
     // allocator's at exit. Zeroed on `stream`, so the first launch there sees 0.
     auto* ticket = new at::Tensor(
-        at::zeros({1 + kMaxTerms * kExactWords}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kLong)));
+        at::zeros({1}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kInt)));
     return static_cast<unsigned int*>(ticket->data_ptr());
   });
 }
@@ -259,7 +157,6 @@ inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, 
   finish.loss = loss.data_ptr();
   finish.loss_type = loss.scalar_type();
   finish.ticket = finish_ticket(loss.get_device(), stream);
-  if (finish.ticket != nullptr) finish.exact_sums = reinterpret_cast<unsigned long long*>(finish.ticket) + 1;
   return finish;
 }
 

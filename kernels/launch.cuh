@@ -2,7 +2,7 @@
 // remembered), grid sizes, dependent and cluster launches (sm_90), and the outputs' tensors.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 

@@ -11,7 +11,7 @@
 // losses.py's KERNEL_OPS repeats these signatures as schemas for torch.compile.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <string>

@@ -2,7 +2,7 @@
 // launcher, and the forward and backward entry points an Op plugs into.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 

@@ -134,10 +134,6 @@ STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read
 # Without grad, many rows longer than a warp's register cache are read by a warp each
 # (kWarpRows): at least 8 per multiprocessor. Odd C: rows start at every offset from 16 bytes.
 WARP_ROWS = "many rows of odd C = 4099 (without grad: a warp per row)"
-# On an H100/H200, with at least 16 rows for every warp the GPU holds (8 a multiprocessor
-# for 4-byte types, 16 for 2-byte), the warps claim their rows from a counter instead
-# (cross_entropy_claimed_rows_kernel): 320 rows a multiprocessor give them 20 to 40 each.
-CLAIMED_ROWS = "very many rows of odd C = 4099 (without grad, on an H100/H200: rows claimed by warps)"
 
 
 def rows_per_multiprocessor(per_multiprocessor, num_classes):
@@ -166,7 +162,6 @@ SHAPES = {
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
     WARP_ROWS: rows_per_multiprocessor(32, 4099),
-    CLAIMED_ROWS: rows_per_multiprocessor(320, 4099),
 }
 
 
@@ -205,10 +200,8 @@ def test_cases_take_the_paths_the_tests_expect(dtype):
 
     assert path("7x1000") == path("7x1000", grad=True) == "register_rows"
     assert path(WARP_ROWS) == "warp_rows"
-    assert path(CLAIMED_ROWS) == ("claimed_rows" if sm90 else "warp_rows")
-    assert path(CLAIMED_ROWS, grad=True) == path(CLAIMED_ROWS, lse=True) == "register_rows"
-    assert path(LONG_ROW) == ("streamed_sum_rows" if dtype == torch.float64 else "streamed_sum_rows_l2_blocks")
-    assert path(STREAMED_ROW) == "streamed_sum_rows"  # rows beyond 224 KB load without L2 blocks
+    assert path(WARP_ROWS, grad=True) == path(WARP_ROWS, lse=True) == "register_rows"
+    assert path(LONG_ROW) == path(STREAMED_ROW) == "streamed_sum_rows"
     assert path(LONG_ROW, grad=True) == ("pipelined_rows" if sm90 else "stashed_rows")
     assert path(LONG_ROW, grad=True, label_smoothing=0.1) == path(LONG_ROW, reduction="none") == "stashed_rows"
 
@@ -217,17 +210,15 @@ def test_cases_take_the_paths_the_tests_expect(dtype):
 # runs on the GPU at hand, an A100's paths included on an H100/H200 (its stashed rows with
 # a gradient, warp rows). The sum-only paths compute a scalar loss alone; sm_90's take
 # class indices without label smoothing in 2- and 4-byte logits.
-SUM_ONLY_PATHS = {"warp_rows", "claimed_rows", "streamed_sum_rows", "streamed_sum_rows_l2_blocks"}
+SUM_ONLY_PATHS = {"warp_rows", "streamed_sum_rows"}
 MANY_ODD_ROWS = "many rows of odd C = 40001 (whole in shared memory but for fp64)"
 # Without grad a warp per row, in registers for every dtype and target (4099 classes of
 # float64 probabilities are beyond them).
 WARP_ROWS_IN_REGISTERS = "many rows of odd C = 3001 (without grad: a warp per row)"
 FORCED_CASES = {
     "register_rows": ["7x1000", ODD_ROW, VIEW_OFF_16_BYTES, WARP_ROWS_IN_REGISTERS],
-    "warp_rows": ["7x1000", ODD_ROW, CLAIMED_ROWS, ODD_LONG_ROW],
-    "claimed_rows": [CLAIMED_ROWS],
-    "streamed_sum_rows": ["7x1000", ODD_ROW, WARP_ROWS, ODD_LONG_ROW],
-    "streamed_sum_rows_l2_blocks": ["7x1000", ODD_ROW, WARP_ROWS, STREAMED_ROW],
+    "warp_rows": ["7x1000", ODD_ROW, WARP_ROWS, ODD_LONG_ROW],
+    "streamed_sum_rows": ["7x1000", ODD_ROW, WARP_ROWS, ODD_LONG_ROW, STREAMED_ROW],
     "stashed_rows": ["7x1000", ODD_ROW, LONG_ROW, ODD_LONG_ROW, STREAMED_ROW, MANY_ODD_ROWS],
     "pipelined_rows": ["7x1000", ODD_ROW, LONG_ROW, ODD_LONG_ROW, MANY_ODD_ROWS],
 }
@@ -236,15 +227,13 @@ FORCED = [(path, case) for path, cases in FORCED_CASES.items() for case in cases
 
 def why_path_cannot_run(path, dtype, reduction, targets):
     """Why `path` cannot run these calls on this GPU (the kernels' rules), or None."""
-    if path in ("claimed_rows", "pipelined_rows") and not (on_hopper() and dtype != torch.float64):
+    if path == "pipelined_rows" and not (on_hopper() and dtype != torch.float64):
         return f"{path} runs on sm_90, 2- and 4-byte logits"
-    if path == "streamed_sum_rows_l2_blocks" and dtype == torch.float64:
-        return f"{path} takes 2- and 4-byte logits"
     if path in SUM_ONLY_PATHS and reduction == "none":
         return f"{path} computes a scalar loss alone"
     if path == "pipelined_rows" and reduction == "none":
         return f"{path} writes gradients: the forward of 'none' writes none"
-    if path in ("warp_rows", "claimed_rows", "pipelined_rows") and targets != "indices":
+    if path in ("warp_rows", "pipelined_rows") and targets != "indices":
         return f"{path} takes class indices without label smoothing"
     return None
 
@@ -283,8 +272,8 @@ def test_forcing_a_path_that_cannot_run_the_call_raises():
         losses.cross_entropy(logits.requires_grad_(), target)
     with forced_path("pipelined_rows"), pytest.raises(ValueError, match="pipelined_rows cannot run this call"):
         losses.cross_entropy(logits.double(), target)
-    with forced_path("streamed_sum_rows_l2_blocks"), pytest.raises(ValueError, match="2- or 4-byte logits"):
-        losses.cross_entropy(logits.double(), target)
+    with forced_path("warp_rows"), pytest.raises(ValueError, match="without label smoothing"):
+        losses.cross_entropy(logits, target, label_smoothing=0.1)
     with pytest.raises(ValueError, match="no path named 'fastest'"):
         loader.load_for_device("cross_entropy", logits.device).force_cross_entropy_path("fastest")
     assert path_of(logits, target) == "streamed_sum_rows"  # nothing left forced
@@ -568,8 +557,7 @@ def test_inplace_backward_saves_the_gradients_memory():
     assert peaks[0] - peaks[1] >= x.numel() * 4 * 0.9, peaks
 
 
-SPECIAL_ROWS_SHAPES = {WARP_ROWS: SHAPES[WARP_ROWS], CLAIMED_ROWS: SHAPES[CLAIMED_ROWS],
-                       "many streamed rows of odd C = 40001": many_streamed_rows(40001)}
+SPECIAL_ROWS_SHAPES = {WARP_ROWS: SHAPES[WARP_ROWS], "many streamed rows of odd C = 40001": many_streamed_rows(40001)}
 
 
 @pytest.mark.gpu

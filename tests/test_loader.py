@@ -70,7 +70,7 @@ KERNEL_HEADERS = {
     "mse": {"pointwise.cuh"},
     "kl_div": {"pointwise.cuh"},
     "cross_entropy": {"sm90.cuh", "cross_entropy_row.cuh", "cross_entropy_rows.cuh", "cross_entropy_pipelined.cuh",
-                      "cross_entropy_claimed.cuh", "cross_entropy_launch.cuh"},
+                      "cross_entropy_launch.cuh"},
 }
 
 
