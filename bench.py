@@ -81,6 +81,7 @@ CASES = [
     ("mse", 32768, 32768, torch.float32), ("mse", 8192, 8192, torch.bfloat16), ("mse", 64, 1000, torch.float32),
     ("ce", 32768, 4096, torch.float32), ("ce", 8192, 128256, torch.bfloat16),
     ("ce", 8192, 50257, torch.bfloat16),  # GPT-2's vocabulary: odd, so rows start off 16 bytes
+    ("ce", 8192, 32000, torch.bfloat16),  # Llama 2's vocabulary: rows in registers, a warp per row without grad
     ("ce", 64, 1000, torch.float32),
 ]
 SMALL_CASE_BYTES = 16 * 2**20
