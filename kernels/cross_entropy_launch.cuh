@@ -118,13 +118,16 @@ void dispatch_cross_entropy(const CrossEntropyInputs& in, std::initializer_list<
 // loads its row, then reduces it with the loads stopped, at a few blocks per
 // multiprocessor; a warp per row reduces without a barrier, with 32 to 48 warps per
 // multiprocessor hiding one another's reductions; longer rows and few rows stay a block's
-// (notes, v23).
+// (notes, v23). So do float32 and float64 rows of more than 8 KB: a block per row was faster
+// for 4096 float32 classes on the H200 (notes, v37).
 constexpr int kWarpRowsThreads = 256;
 constexpr int64_t kWarpRowsPerMultiprocessor = 8;
+constexpr int64_t kWarpRowsMaxFloat32Bytes = 8 * 1024;  // and float64
 
-// For rows the register path would take (not streamed) with class-index targets.
-inline bool use_warp_rows(int64_t rows, int64_t num_packs, int device) {
+// For rows (of 16-byte packs) the register path would take (not streamed) with class-index targets.
+inline bool use_warp_rows(int64_t rows, int64_t num_packs, size_t element_bytes, int device) {
   return num_packs > 32 * int64_t(cache_packs<false>()) &&
+         (element_bytes == 2 || num_packs * 16 <= kWarpRowsMaxFloat32Bytes) &&
          rows >= kWarpRowsPerMultiprocessor * multiprocessor_count(device);
 }
 
@@ -319,7 +322,8 @@ CrossEntropyPath choose_cross_entropy_path(const CrossEntropyCall& call) {
   if (long_row) return Path::kStreamedSumRows;
   // A scalar loss alone over many rows (use_warp_rows), class indices without label
   // smoothing: a warp streams each row.
-  if (!Cfg::probs && !Cfg::class_sums && call.sum_only && use_warp_rows(call.rows, call.num_packs, call.device)) {
+  if (!Cfg::probs && !Cfg::class_sums && call.sum_only &&
+      use_warp_rows(call.rows, call.num_packs, sizeof(typename Cfg::scalar), call.device)) {
     return Path::kWarpRows;
   }
   // Every other row: a block per row, the row in registers.

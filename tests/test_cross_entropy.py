@@ -132,8 +132,9 @@ VIEW_OFF_16_BYTES = "view from the second row (data off 16 bytes)"
 STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read twice)"
 
 # Without grad, many rows longer than a warp's register cache are read by a warp each
-# (kWarpRows): at least 8 per multiprocessor. Odd C: rows start at every offset from 16 bytes.
-WARP_ROWS = "many rows of odd C = 4099 (without grad: a warp per row)"
+# (kWarpRows): at least 8 per multiprocessor, of 2-byte logits or rows of at most 8 KB (C =
+# 4099 for 2-byte dtypes, 2049 float32, 1023 float64). Odd C: rows start at every offset from 16 bytes.
+WARP_ROWS = "many rows of odd C just beyond a warp's registers (without grad: a warp per row)"
 
 
 def rows_per_multiprocessor(per_multiprocessor, num_classes):
@@ -161,7 +162,7 @@ SHAPES = {
     ODD_LONG_ROW: lambda dtype: randn(3, 40001, dtype=dtype),
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
-    WARP_ROWS: rows_per_multiprocessor(32, 4099),
+    WARP_ROWS: lambda dtype: rows_per_multiprocessor(32, {2: 4099, 4: 2049, 8: 1023}[torch.finfo(dtype).bits // 8])(dtype),
 }
 
 
