@@ -4,8 +4,7 @@ Each loss x float32/float16/bfloat16 x reduction, forward without grad, and forw
 backward with grad (backward from 2.5, so the in-place scale runs too), on odd shapes:
 a vector body with a scalar tail, one element, a misaligned view, and for
 cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001, and 40001 and 65537
-in more rows than the grid has blocks; C = 4099 in enough rows for a warp each without grad,
-and on sm_90 in enough for warps to claim them),
+in more rows than the grid has blocks; C = 4099 in enough rows for a warp each without grad),
 with weight, label smoothing, z-loss, probability targets and inplace_backward.
 """
 import os

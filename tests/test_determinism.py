@@ -50,10 +50,9 @@ def test_bitwise_identical_over_runs(name, reduction, dtype, rows, cols):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_warp_rows_forward_bitwise_identical_over_runs(dtype, reduction, z_loss, rows_per_multiprocessor):
-    """Cross-entropy without grad on many rows (a warp per row, the sum-only kernel, which
-    the tests above do not reach: they take gradients). With 320 rows a multiprocessor, on
-    an H100/H200 the warps claim their rows from a counter, so which block adds which row
-    changes from run to run: the sum must not."""
+    """Cross-entropy without grad on many rows (the sum-only kernels, a warp per row for
+    2-byte logits, which the tests above do not reach: they take gradients): the sum is the
+    same bits every run, with few rows per warp and with many."""
     rows = rows_per_multiprocessor * torch.cuda.get_device_properties(0).multi_processor_count + 3
     logits = torch.randn(rows, 4099, device="cuda", dtype=dtype) * 4
     target = torch.randint(0, 4099, (rows,), device="cuda")
