@@ -206,11 +206,11 @@ def _wheel_cudart(home: Path, major: str) -> Path | None:
 
 
 def pip_toolkit_home(major: str) -> Path | None:
-    """site-packages/nvidia/cu<major> holding bin/nvcc (NVIDIA's pip toolkit), found through
-    the `nvidia` namespace package of this Python; None when it is not installed."""
-    spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        home = Path(base) / f"cu{major}"
+    """site-packages/nvidia/cu<major> holding bin/nvcc (NVIDIA's pip toolkit), in any folder
+    on sys.path; None when it is not installed. Not through the `nvidia` package: CUDA 11
+    wheels make it a regular package, which hides the same folder in other sys.path entries."""
+    for base in sys.path:
+        home = Path(base or ".") / "nvidia" / f"cu{major}"
         if (home / "bin" / "nvcc").is_file():
             return home
     return None

@@ -159,7 +159,6 @@ RowLaunch row_launch(Kernel kernel, bool streamed, bool warp_rows, int64_t rows,
                      size_t pack_bytes, bool want_grad, int stream_block_threads, int stash_block_threads,
                      int device) {
   if (warp_rows) {
-    constexpr int warps = kWarpRowsThreads / 32;
     return {kWarpRowsThreads, grid_for(kernel, rows * 32, kWarpRowsThreads, device), 0, 0};
   }
   int threads = stream_block_threads;
@@ -360,7 +359,7 @@ struct CrossEntropyOutputs {
 inline CrossEntropyCall cross_entropy_call(const CrossEntropyInputs& in, bool scalar_loss, bool want_grad,
                                            bool want_lse, int vec) {
   return {in.logits.size(0), in.logits.size(1) / vec, scalar_loss && !want_grad && !want_lse, want_grad,
-          in.logits.get_device()};
+          static_cast<int>(in.logits.get_device())};
 }
 
 // The kernel of a path and its launch shape.
@@ -417,7 +416,10 @@ inline void launch_cross_entropy(const CrossEntropyInputs& in, int64_t reduction
     using acc_t = at::opmath_type<T>;
     const bool want_grad = out.grad_logits.defined() || out.grad_target.defined();
     const CrossEntropyCall call = cross_entropy_call(in, scalar_loss, want_grad, out.lse.defined(), Cfg::vec);
-    const auto [kernel, launch] = path_kernel<Cfg>(cross_entropy_path_of<Cfg>(call), call);
+    // Not a structured binding: C++17 (torch 2.0's builds) cannot capture one in the lambda below.
+    const auto kernel_and_launch = path_kernel<Cfg>(cross_entropy_path_of<Cfg>(call), call);
+    const auto kernel = kernel_and_launch.first;
+    const RowLaunch launch = kernel_and_launch.second;
     CrossEntropyParams<T> params{};
     params.logits = in.logits.data_ptr<T>();
     params.target = {in.target.data_ptr(), !in.probs && in.target.scalar_type() == at::kInt};
