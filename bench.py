@@ -445,7 +445,7 @@ def first_use_seconds() -> dict:
     cache of its own, then the three built kernels loaded from one cache by a fresh process."""
     with tempfile.TemporaryDirectory(prefix="fused_losses_bench_") as root:
         first_call = {}
-        for name in ("cross_entropy", "kl_div", "mse"):
+        for name in losses.loader.KERNELS:
             first_call[name] = timed_in_fresh_process(FIRST_CALL.format(losses=[name]), os.path.join(root, name))
         warm = os.path.join(root, "all")
         timed_in_fresh_process(FIRST_CALL.format(losses=list(first_call)), warm)

@@ -375,10 +375,11 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
         raise BuildError(f"building kernel {name!r} for sm_{arch.replace('.', '')} in {build_dir} "
                          f"failed:\n{error}") from None
     finally:
-        if TORCH_READS_ARCH_LIST and saved_arch_list is None:
-            del os.environ["TORCH_CUDA_ARCH_LIST"]
-        elif TORCH_READS_ARCH_LIST:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
+        if TORCH_READS_ARCH_LIST:
+            if saved_arch_list is None:
+                del os.environ["TORCH_CUDA_ARCH_LIST"]
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
     seconds = time.perf_counter() - started
     try:
         (build_dir / BUILD_OK).write_text(f"{ext_name}\n")

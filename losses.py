@@ -208,14 +208,15 @@ _CROSS_ENTROPY_FORWARD_ARGUMENTS = _schema_argument_names(_CROSS_ENTROPY_FORWARD
 
 
 def _cross_entropy_forward_fake(*args):
-    a = dict(zip(_CROSS_ENTROPY_FORWARD_ARGUMENTS, args))
-    logits = a["logits"]
-    scalar_loss = a["reduction"] != REDUCTION_CODES["none"]
+    named = dict(zip(_CROSS_ENTROPY_FORWARD_ARGUMENTS, args))
+    logits = named["logits"]
+    scalar_loss = named["reduction"] != REDUCTION_CODES["none"]
     rows = logits.shape[0]
-    loss = logits.new_empty(() if scalar_loss else (rows,), dtype=torch.float32 if a["float_loss"] else logits.dtype)
-    grad_logits = logits.new_empty(logits.shape if scalar_loss and a["want_grad_logits"] else (0,))
-    grad_target = logits.new_empty(logits.shape if scalar_loss and a["want_grad_target"] else (0,))
-    lse = logits.new_empty((rows,) if a["want_lse"] else (0,), dtype=_accumulation_dtype(logits.dtype))
+    loss_dtype = torch.float32 if named["float_loss"] else logits.dtype
+    loss = logits.new_empty(() if scalar_loss else (rows,), dtype=loss_dtype)
+    grad_logits = logits.new_empty(logits.shape if scalar_loss and named["want_grad_logits"] else (0,))
+    grad_target = logits.new_empty(logits.shape if scalar_loss and named["want_grad_target"] else (0,))
+    lse = logits.new_empty((rows,) if named["want_lse"] else (0,), dtype=_accumulation_dtype(logits.dtype))
     return loss, grad_logits, grad_target, lse
 
 
