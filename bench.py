@@ -409,24 +409,29 @@ def add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps):
 # ----------------------------------------------------------------------------------
 # First use: builds into an empty cache, and the cached load.
 
-# Run in a fresh process: prints the seconds of its timed part. {losses} names the losses.
+# The dtypes whose first call is measured: each is a build of its own.
+FIRST_USE_DTYPES = ("float32", "bfloat16")
+# Run in a fresh process: prints the seconds of its timed part. {calls} lists (loss, dtype).
 FIRST_CALL = """
 import time, torch, losses
-x = torch.rand(64, 1000, device="cuda")
-calls = {{"cross_entropy": lambda: losses.cross_entropy(x, torch.zeros(64, dtype=torch.long, device="cuda")),
-          "kl_div": lambda: losses.kl_div(x, x, reduction="batchmean", log_input=False),
-          "mse": lambda: losses.mse_loss(x, x)}}
+def call(name, dtype):
+    x = torch.rand(64, 1000, device="cuda", dtype=getattr(torch, dtype))
+    if name == "cross_entropy":
+        return losses.cross_entropy(x, torch.zeros(64, dtype=torch.long, device="cuda"))
+    if name == "kl_div":
+        return losses.kl_div(x, x, reduction="batchmean", log_input=False)
+    return losses.mse_loss(x, x)
 started = time.perf_counter()
-for name in {losses}:
-    calls[name]()
+for name, dtype in {calls}:
+    call(name, dtype)
 torch.cuda.synchronize()
 print(time.perf_counter() - started)
 """
 CACHED_LOAD = """
 import time, torch, losses
 started = time.perf_counter()
-for name in losses.loader.KERNELS:
-    losses.loader.load(name)
+for name, dtype in {calls}:
+    losses.loader.load(name, dtype)
 print(time.perf_counter() - started)
 """
 
@@ -441,21 +446,35 @@ def timed_in_fresh_process(code: str, cache: str) -> float:
 
 
 def first_use_seconds() -> dict:
-    """{"first_call_s": {loss: s}, "cached_load_s": s}: each loss's first call into an empty
-    cache of its own, then the three built kernels loaded from one cache by a fresh process."""
+    """{"first_call_s": {"loss dtype": s}, "build_all_s": s, "cached_load_s": s}: each loss's
+    first call in each of FIRST_USE_DTYPES into an empty cache of its own; `python loader.py
+    --arch <this GPU>` (every kernel and dtype) into another; then every build loaded from
+    there by a fresh process."""
     with tempfile.TemporaryDirectory(prefix="fused_losses_bench_") as root:
         first_call = {}
         for name in losses.loader.KERNELS:
-            first_call[name] = timed_in_fresh_process(FIRST_CALL.format(losses=[name]), os.path.join(root, name))
+            for dtype in FIRST_USE_DTYPES:
+                first_call[f"{name} {dtype}"] = timed_in_fresh_process(FIRST_CALL.format(calls=[(name, dtype)]),
+                                                                       os.path.join(root, f"{name}_{dtype}"))
         warm = os.path.join(root, "all")
-        timed_in_fresh_process(FIRST_CALL.format(losses=list(first_call)), warm)
-        return {"first_call_s": first_call, "cached_load_s": timed_in_fresh_process(CACHED_LOAD, warm)}
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "loader.py", "--arch", losses.loader.device_arch()],
+                              env=dict(os.environ, TORCH_EXTENSIONS_DIR=warm), capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        if done.returncode != 0:
+            raise RuntimeError(f"loader.py --arch failed:\n{done.stderr[-3000:]}")
+        build_all = time.perf_counter() - started
+        every_build = [(name, dtype) for name in losses.loader.KERNELS for dtype in losses.loader.DTYPES]
+        cached = timed_in_fresh_process(CACHED_LOAD.format(calls=every_build), warm)
+        return {"first_call_s": first_call, "build_all_s": build_all, "cached_load_s": cached}
 
 
 def print_first_use(first_use):
     calls = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first_use["first_call_s"].items())
-    print(f"First call, empty cache (builds the loss's kernel for this GPU): {calls}. "
-          f"Cached load of the three in a fresh process: {first_use['cached_load_s']:.2f} s.")
+    print(f"First call, empty cache (builds the loss's kernel for this GPU and dtype): {calls}. "
+          f"Every kernel and dtype at once (loader.py --arch): {first_use['build_all_s']:.1f} s. "
+          f"Cached load of all {len(losses.loader.KERNELS) * len(losses.loader.DTYPES)} builds in a "
+          f"fresh process: {first_use['cached_load_s']:.2f} s.")
 
 
 # ----------------------------------------------------------------------------------

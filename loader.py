@@ -1,15 +1,16 @@
 """Builds kernels/<name>.cu at first use and loads it, cached per GPU arch and content.
 
-    ops = load("mse")            # for the current GPU; ops.forward(...), ops.backward(...)
-    reload("mse")                # after editing kernels/mse.cu in a notebook
+    ops = load("mse", "bfloat16")       # for the current GPU; ops.forward(...), ops.backward(...)
+    reload("mse")                       # after editing kernels/mse.cu in a notebook
     python loader.py --arch 8.0 9.0     # ahead-of-time builds, no GPU needed
 
 Each build is one extension, compiled with torch.utils.cpp_extension.load_inline for one
-GPU arch. Its name carries the arch and a hash of everything that shapes the binary
-(the .cu and the headers it includes, its bindings, compile flags, torch and CUDA
-versions, Python version), so a new GPU, an edited kernel or a torch upgrade gets a
-build of its own and nothing stale is ever loaded. A build is a Python module of that
-same name (pybind11 bindings, BINDINGS), so two builds can live in one process.
+GPU arch and one dtype: a first call builds only what it runs. Its name carries the
+kernel, dtype, arch and a hash of everything that shapes the binary (the .cu and the
+headers it includes, its bindings, compile flags, torch and CUDA versions, Python
+version), so a new GPU, an edited kernel or a torch upgrade gets a build of its own and
+nothing stale is ever loaded. A build is a Python module of that same name (pybind11
+bindings, BINDINGS), so several builds can live in one process.
 
 Builds go under $TORCH_EXTENSIONS_DIR (torch's default cache when unset)/fused_losses.
 A build runs under an OS-level lock (fcntl.flock), released by the kernel when its
@@ -23,6 +24,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -36,26 +38,31 @@ import torch
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNELS = ("cross_entropy", "kl_div", "mse")
+# The dtypes a build can hold, by name, with kernels/ops.h's DType codes.
+DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 EXTRA_CFLAGS = ["-O3"]
 EXTRA_CUDA_CFLAGS = ["-O3", "-lineinfo"]
 BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
 
-_loaded: dict[tuple[str, str], object] = {}  # (kernel name, arch) -> the build's module
-_loaded_for_device: dict[tuple[str, int], object] = {}  # (kernel name, device index) -> the same
+_loaded: dict[tuple[str, str, str], object] = {}  # (kernel name, dtype, arch) -> the build's module
+_loaded_for_device: dict[tuple[str, int, torch.dtype], object] = {}  # (kernel, device index, dtype) -> the same
 # Builds this process has imported, by extension name. The same name in another cache
 # directory is the same build (the name hashes everything in it): the module already
 # imported serves.
 _loaded_extensions: dict[str, object] = {}
 
-# The Python side of kernel {kernel}'s build (kernels/ops.h declares what it binds),
-# compiled by the host compiler as load_inline's main.cpp, after its
-# #include <torch/extension.h>. pybind11 rather than a torch.ops registration: on an
+# The Python side of kernel {kernel}'s build (kernels/entry_points.h defines what it
+# binds), compiled by the host compiler as load_inline's main.cpp. pybind11's and
+# torch's exception headers rather than torch/extension.h (the whole C++ frontend: 13 s
+# more to compile; older torch adds it anyway). pybind11 rather than a torch.ops registration: on an
 # H100 machine's host a call through torch.ops costs 9-11 us, through pybind11 4-7
 # (cross-entropy's 12 arguments; notes, v24), and the small losses are bound by host time.
 # wrap_pybind_function raises torch's Python exceptions (torch.OutOfMemoryError...)
 # where pybind11 alone would raise RuntimeError.
-BINDINGS = """#include "autograd_node.h"
-#include "ops.h"
+BINDINGS = """#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "autograd_node.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
   m.def("forward", torch::wrap_pybind_function(fused_losses::{kernel}_forward));
@@ -65,7 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
 {extra_bindings}}}
 """
 # Bindings of one kernel's build alone, in BINDINGS' {extra_bindings}: cross-entropy's
-# test-only path query and switch (kernels/ops.h).
+# test-only path query and switch (kernels/entry_points.h).
 EXTRA_BINDINGS = {
     "cross_entropy": (
         '  m.def("cross_entropy_path", torch::wrap_pybind_function(fused_losses::cross_entropy_path));\n'
@@ -120,6 +127,15 @@ def normalize_arch(arch: str) -> str:
     return f"{int(major)}.{minor}{suffix}"
 
 
+def normalize_dtype(dtype) -> str:
+    """torch.bfloat16, 'bfloat16', 'torch.bfloat16' -> 'bfloat16' (a key of DTYPES)."""
+    name = str(dtype)
+    name = name[len("torch."):] if name.startswith("torch.") else name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return name
+
+
 def device_arch(device: torch.device | int | None = None) -> str:
     """The compute capability of a CUDA device as '9.0'."""
     major, minor = torch.cuda.get_device_capability(device)
@@ -131,11 +147,12 @@ def gencode_flag(arch: str) -> str:
     return f"-gencode=arch=compute_{digits},code=sm_{digits}"
 
 
-def cache_key(sources: dict[str, str], arch: str, cflags=EXTRA_CFLAGS, cuda_cflags=EXTRA_CUDA_CFLAGS) -> str:
+def cache_key(sources: dict[str, str], arch: str, dtype: str = "float32", cflags=EXTRA_CFLAGS,
+              cuda_cflags=EXTRA_CUDA_CFLAGS) -> str:
     digest = hashlib.sha256()
     for part in (
         *(f"{file}\0{text}" for file, text in sorted(sources.items())),
-        arch, " ".join(cflags), " ".join(cuda_cflags),
+        arch, dtype, " ".join(cflags), " ".join(cuda_cflags),
         torch.__version__, str(torch.version.cuda), f"py{sys.version_info[0]}{sys.version_info[1]}",
     ):
         digest.update(part.encode())
@@ -143,8 +160,8 @@ def cache_key(sources: dict[str, str], arch: str, cflags=EXTRA_CFLAGS, cuda_cfla
     return digest.hexdigest()[:16]
 
 
-def extension_name(name: str, arch: str, key: str) -> str:
-    return f"fused_losses_{name}_sm{arch.replace('.', '')}_{key}"
+def extension_name(name: str, dtype: str, arch: str, key: str) -> str:
+    return f"fused_losses_{name}_{dtype}_sm{arch.replace('.', '')}_{key}"
 
 
 def cache_root() -> Path:
@@ -348,7 +365,8 @@ def _cache_write_error(root: Path, error: OSError) -> BuildError:
                       "TORCH_EXTENSIONS_DIR to a writable directory with a few hundred MB free")
 
 
-def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[str, str], verbose: bool):
+def _build(name: str, dtype: str, arch: str, ext_name: str, build_dir: Path, sources: dict[str, str],
+           verbose: bool):
     check_toolchain()
     # torch < 2.1 guards its build directory with a lock *file* whose mere existence
     # blocks; a build killed mid-way leaves it behind. We hold our own flock, so any
@@ -358,21 +376,26 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if TORCH_READS_ARCH_LIST:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    load_inline = _cpp_extension().load_inline
+    # Newer torch can leave out the headers load_inline adds: torch/extension.h to main.cpp,
+    # and torch/types.h to the .cu, most of an ATen-free .cu's compile time. Older torch adds them.
+    optional = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
     try:
-        _cpp_extension().load_inline(
+        load_inline(
             name=ext_name,
             cpp_sources=[sources["main.cpp"]],
             cuda_sources=[sources[f"{name}.cu"]],
             extra_cflags=EXTRA_CFLAGS,
-            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + _nvcc_flags + [gencode_flag(arch)],
+            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + _nvcc_flags + [gencode_flag(arch), f"-DFUSED_LOSSES_DTYPE={DTYPES[dtype]}"],
             extra_include_paths=[str(KERNEL_DIR)],
             extra_ldflags=list(_extra_ldflags),
             build_directory=str(build_dir),
             is_python_module=False,  # build only: _open_build imports it
             verbose=verbose,
+            **optional,
         )
     except Exception as error:  # load_inline raises RuntimeError with the compiler's output
-        raise BuildError(f"building kernel {name!r} for sm_{arch.replace('.', '')} in {build_dir} "
+        raise BuildError(f"building kernel {name!r} ({dtype}) for sm_{arch.replace('.', '')} in {build_dir} "
                          f"failed:\n{error}") from None
     finally:
         if TORCH_READS_ARCH_LIST:
@@ -385,14 +408,14 @@ def _build(name: str, arch: str, ext_name: str, build_dir: Path, sources: dict[s
         (build_dir / BUILD_OK).write_text(f"{ext_name}\n")
     except OSError as error:  # a disk that filled up during the build
         raise _cache_write_error(build_dir.parent, error) from None
-    print(f"fused_losses: built {name} for sm_{arch.replace('.', '')} in {seconds:.1f} s -> {build_dir}",
+    print(f"fused_losses: built {name} ({dtype}) for sm_{arch.replace('.', '')} in {seconds:.1f} s -> {build_dir}",
           file=sys.stderr, flush=True)
 
 
-def _open_build(name: str, arch: str, verbose: bool = False):
-    """Imports the build of `name` for `arch`, building it first if needed."""
+def _open_build(name: str, dtype: str, arch: str, verbose: bool = False):
+    """Imports the build of `name` for `dtype` and `arch`, building it first if needed."""
     sources = kernel_sources(name)
-    ext_name = extension_name(name, arch, cache_key(sources, arch))
+    ext_name = extension_name(name, dtype, arch, cache_key(sources, arch, dtype))
     if ext_name in _loaded_extensions:
         return _loaded_extensions[ext_name]
     root = cache_root()
@@ -411,7 +434,7 @@ def _open_build(name: str, arch: str, verbose: bool = False):
         with lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes or the process dies
             if not built():  # another process may have built it meanwhile
-                _build(name, arch, ext_name, build_dir, sources, verbose)
+                _build(name, dtype, arch, ext_name, build_dir, sources, verbose)
     spec = importlib.util.spec_from_file_location(ext_name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -419,8 +442,9 @@ def _open_build(name: str, arch: str, verbose: bool = False):
     return module
 
 
-def load(name: str, arch: str | None = None, verbose: bool = False):
-    """The ops of kernel `name` for `arch` (default: the current CUDA device's).
+def load(name: str, dtype="float32", arch: str | None = None, verbose: bool = False):
+    """The ops of kernel `name` for inputs of `dtype` (a torch.dtype or its name) and
+    `arch` (default: the current CUDA device's).
 
     First use builds (one line on stderr says where and how long); later calls in the
     process return the same module at once.
@@ -433,17 +457,18 @@ def load(name: str, arch: str | None = None, verbose: bool = False):
                 "to build ahead of time without a GPU.")
         arch = device_arch()
     arch = normalize_arch(arch)
-    ops = _loaded.get((name, arch))
+    dtype = normalize_dtype(dtype)
+    ops = _loaded.get((name, dtype, arch))
     if ops is None:
-        ops = _loaded[(name, arch)] = _open_build(name, arch, verbose)
+        ops = _loaded[(name, dtype, arch)] = _open_build(name, dtype, arch, verbose)
     return ops
 
 
-def load_for_device(name: str, device: torch.device):
-    """load(name) for the arch of a CUDA device; the hot path of every loss call."""
-    ops = _loaded_for_device.get((name, device.index))
+def load_for_device(name: str, device: torch.device, dtype: torch.dtype):
+    """load(name, dtype) for the arch of a CUDA device; the hot path of every loss call."""
+    ops = _loaded_for_device.get((name, device.index, dtype))
     if ops is None:
-        ops = _loaded_for_device[(name, device.index)] = load(name, device_arch(device))
+        ops = _loaded_for_device[(name, device.index, dtype)] = load(name, dtype, device_arch(device))
     return ops
 
 
@@ -455,24 +480,27 @@ def reload(name: str | None = None) -> None:
             del cache[key]
 
 
-def build(archs, names=KERNELS, verbose: bool = False) -> list[str]:
-    """Ahead-of-time builds of `names` for each arch in `archs`, all at once (each build is
-    its own nvcc and host compiler processes); no GPU needed."""
-    tasks = [(name, normalize_arch(arch)) for arch in archs for name in names]
+def build(archs, names=KERNELS, dtypes=tuple(DTYPES), verbose: bool = False) -> list[str]:
+    """Ahead-of-time builds of `names` for each dtype in `dtypes` and arch in `archs`, all
+    at once (each build is its own nvcc and host compiler processes); no GPU needed."""
+    tasks = [(name, normalize_dtype(dtype), normalize_arch(arch)) for arch in archs for name in names
+             for dtype in dtypes]
     check_toolchain()  # once, before the threads
-    with ThreadPoolExecutor(1 if TORCH_READS_ARCH_LIST else len(tasks)) as pool:
-        list(pool.map(lambda task: load(task[0], arch=task[1], verbose=verbose), tasks))
-    return [f"{name} sm_{arch.replace('.', '')}" for name, arch in tasks]
+    workers = 1 if TORCH_READS_ARCH_LIST else min(len(tasks), os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda task: load(task[0], task[1], arch=task[2], verbose=verbose), tasks))
+    return [f"{name} {dtype} sm_{arch.replace('.', '')}" for name, dtype, arch in tasks]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Build the fused loss kernels ahead of time (no GPU needed).")
     parser.add_argument("--arch", nargs="+", required=True, help="GPU archs, e.g. 8.0 9.0")
     parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = parser.parse_args(argv)
     try:
-        built = build(args.arch, args.kernel, verbose=args.verbose)
+        built = build(args.arch, args.kernel, args.dtype, verbose=args.verbose)
     except (BuildError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

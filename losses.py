@@ -49,15 +49,16 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # ----------------------------------------------------------------------------------
 # Shared plumbing.
 
-def _ops(kernel: str, device: torch.device):
-    """The ops of `kernel` (forward, backward, scale_by_grad_output_) for `device`.
+def _ops(kernel: str, like: torch.Tensor):
+    """The ops of `kernel` (forward, backward, scale_by_grad_output_) for the device and
+    dtype of `like` (the loss's input: each dtype is a build of its own).
 
     Eagerly: the build itself, from the loader. Under torch.compile: the same ops under
     stable names (see "Kernel ops under torch.compile" below), which a tracer can follow.
     """
     if COMPILE_OPS and is_compiling():
         return getattr(torch.ops, f"fused_losses_{kernel}")
-    return loader.load_for_device(kernel, device)
+    return loader.load_for_device(kernel, like.device, like.dtype)
 
 
 def _check_reduction(reduction: str, allowed) -> None:
@@ -160,7 +161,7 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     present = [grad for grad in grads if grad is not None]
     dtype = present[0].dtype
     scale = grad_output if grad_output.dim() == 0 and grad_output.dtype == dtype else grad_output.reshape(()).to(dtype)
-    ops = _ops(ctx.kernel, grad_output.device)
+    ops = _ops(ctx.kernel, present[0])
     for grad in present:
         ops.scale_by_grad_output_(grad, scale)
     return grads
@@ -263,8 +264,9 @@ def _call_build(kernel: str, op: str):
     fake = KERNEL_OPS[kernel][op][1]
 
     def call(*args):
-        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
-        outputs = getattr(loader.load_for_device(kernel, device), op)(*args)
+        first = next(arg for arg in args if isinstance(arg, torch.Tensor))  # the input, or scale's grad
+        device = first.device
+        outputs = getattr(loader.load_for_device(kernel, device, first.dtype), op)(*args)
         if not isinstance(outputs, tuple) or all(output is not None for output in outputs):
             return outputs
         # A build returns None for an output it did not write; the schema promises a
@@ -316,7 +318,7 @@ class _PointwiseLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, options):
         kernel, reduction, scale, float_loss, op_args, want_grad_input, want_grad_target = options
-        loss, grad_input, grad_target = _ops(kernel, input.device).forward(
+        loss, grad_input, grad_target = _ops(kernel, input).forward(
             input, target, REDUCTION_CODES[reduction], scale, float_loss, want_grad_input, want_grad_target,
             *op_args)
         ctx.kernel, ctx.reduction, ctx.op_args = kernel, reduction, op_args
@@ -333,7 +335,7 @@ class _PointwiseLossFunction(torch.autograd.Function):
         _check_no_create_graph()
         if ctx.reduction == "none":
             input, target = ctx.saved_tensors
-            grad_input, grad_target = _ops(ctx.kernel, input.device).backward(
+            grad_input, grad_target = _ops(ctx.kernel, input).backward(
                 input, target, grad_output.contiguous(), *ctx.want_grads, *ctx.op_args)
             grad_input = grad_input if ctx.want_grads[0] else None
             grad_target = grad_target if ctx.want_grads[1] else None
@@ -377,7 +379,7 @@ def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op
     if _use_python_function(want_grads, reduction):
         return _PointwiseLossFunction.apply(input, target, (kernel, reduction, scale, float_loss, tuple(op_args),
                                                             want_grad_input, want_grad_target))
-    ops = _ops(kernel, input.device)
+    ops = _ops(kernel, input)
     loss, grad_input, grad_target = ops.forward(input, target, REDUCTION_CODES[reduction], scale, float_loss,
                                                 want_grad_input, want_grad_target, *op_args)
     if not want_grads:  # no graph to record
@@ -476,7 +478,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, options):
         ignore_index, reduction, float_loss, label_smoothing, z_loss, want_grad_logits, want_grad_target, want_lse = options
-        loss, grad_logits, grad_target, lse = _ops("cross_entropy", logits.device).forward(
+        loss, grad_logits, grad_target, lse = _ops("cross_entropy", logits).forward(
             logits, target, weight, ignore_index, REDUCTION_CODES[reduction], float_loss, label_smoothing, z_loss,
             want_grad_logits, want_grad_target, want_lse, False)
         ctx.kernel, ctx.reduction = "cross_entropy", reduction
@@ -502,7 +504,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         _check_no_create_graph()
         if ctx.reduction == "none":
             logits, target, weight = ctx.saved_tensors
-            grad_logits, grad_target = _ops(ctx.kernel, logits.device).backward(
+            grad_logits, grad_target = _ops(ctx.kernel, logits).backward(
                 logits, target, weight, *ctx.arguments, grad_output.contiguous(), *ctx.want_grads)
             grad_logits = grad_logits if ctx.want_grads[0] else None
             grad_target = grad_target if ctx.want_grads[1] else None
@@ -657,7 +659,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         inplace = inplace_backward and want_grad_logits
         if inplace and not logits.is_contiguous():
             logits = logits.contiguous()
-        ops = _ops("cross_entropy", input.device)
+        ops = _ops("cross_entropy", logits)
         loss, grad_logits, grad_target, lse = ops.forward(
             logits, rows_target, weight, arguments[0], REDUCTION_CODES[reduction], *arguments[2:], want_grad_logits,
             want_grad_target, return_lse, inplace)

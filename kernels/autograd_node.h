@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "ops.h"
+#include "entry_points.h"
 
 namespace fused_losses {
 

@@ -30,10 +30,7 @@
 // rest again, what the first pass read last, mostly from L2.
 // Probability targets add b per logit read (and b written for their gradient).
 
-#include <c10/cuda/CUDAGuard.h>
-
 #include <string>
-#include <tuple>
 
 #include "cross_entropy_launch.cuh"
 #include "finish.cuh"
@@ -41,91 +38,37 @@
 
 namespace fused_losses {
 
-// Forward. Returns (loss, grad_logits, grad_target, lse):
-//   loss: 0-dim for a scalar reduction (float32 when float_loss, else logits' dtype),
-//     (N,) for 'none';
-//   grad_logits / grad_target: written for a scalar reduction when asked for (for 'none'
-//     see cross_entropy_backward); grad_logits is `logits` itself when inplace;
-//   lse: (N,) in the accumulation type when want_lse.
-// Whatever is not written is undefined (None in Python).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
-    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
-  TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
-              "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
-  c10::cuda::CUDAGuard guard(logits.device());
-  const CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
-  TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
-  const int64_t rows = in.logits.size(0);
-  const bool scalar_loss = reduction != kNone;
-  const auto options = in.logits.options();
-  at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {rows});
-  CrossEntropyOutputs out;
-  if (scalar_loss) {
-    out.loss = loss;
-  } else {
-    out.loss_per_row = loss;
-  }
-  if (want_lse) out.lse = at::empty({rows}, options.dtype(in.accumulation_dtype()));
-  if (scalar_loss && want_grad_logits) out.grad_logits = inplace ? in.logits : in.empty_row_tensor();
-  if (scalar_loss && want_grad_target) out.grad_target = in.empty_row_tensor();
-  if (in.logits.numel() > 0) launch_cross_entropy(in, reduction, at::Tensor(), out);  // losses.py sends empty inputs to torch
-  return {loss, out.grad_logits, out.grad_target, out.lse};
+// Host entry points (ops.h; entry_points.h's cross_entropy_forward, cross_entropy_backward,
+// cross_entropy_path and force_cross_entropy_path call them).
+
+void cross_entropy_launch(const CrossEntropyCall& call, const LaunchContext& context) {
+  if (call.rows * call.classes > 0) launch_cross_entropy(call, context);  // losses.py sends empty inputs to torch
 }
 
-// Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
-// grad_target), undefined where not asked for.
-std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
-                                                          const c10::optional<at::Tensor>& weight,
-                                                          int64_t ignore_index,
-                                                          double label_smoothing, double z_loss,
-                                                          const at::Tensor& grad_output, bool want_grad_logits,
-                                                          bool want_grad_target) {
-  c10::cuda::CUDAGuard guard(logits.device());
-  const CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
-  TORCH_CHECK(grad_output.numel() == in.logits.size(0) && grad_output.scalar_type() == in.logits.scalar_type() &&
-                  grad_output.device() == in.logits.device(),
-              "cross_entropy: grad_output must have N elements of input's dtype on input's device");
-  TORCH_CHECK(!want_grad_target || in.probs, "cross_entropy: only probability targets have a gradient");
-  CrossEntropyOutputs out;
-  if (want_grad_logits) out.grad_logits = in.empty_row_tensor();
-  if (want_grad_target) out.grad_target = in.empty_row_tensor();
-  if (in.logits.numel() > 0 && (want_grad_logits || want_grad_target)) launch_cross_entropy(in, kNone, grad_output.contiguous(), out);
-  return {out.grad_logits, out.grad_target};
-}
-
-// The path (CrossEntropyPath, by name) that cross_entropy_forward with these arguments
-// takes on the tensors' device and the current stream; launches nothing. For the tests.
-std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
-  c10::cuda::CUDAGuard guard(logits.device());
-  const CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
-  const bool scalar_loss = reduction != kNone;
-  const bool want_grad = scalar_loss && (want_grad_logits || want_grad_target);
-  std::string name;
-  dispatch_cross_entropy(in, {in.logits.data_ptr(), in.probs ? in.target.data_ptr() : nullptr}, [&](auto config) {
+const char* cross_entropy_call_path(const CrossEntropyCall& call, int device) {
+  const char* name = nullptr;
+  dispatch_cross_entropy(call, [&](auto config) {
     using Cfg = decltype(config);
-    const CrossEntropyCall call = cross_entropy_call(in, scalar_loss, want_grad, want_lse, Cfg::vec);
-    name = cross_entropy_path_name(cross_entropy_path_of<Cfg>(call));
+    name = cross_entropy_path_name(cross_entropy_path_of<Cfg>(cross_entropy_shape(call, Cfg::vec, device)));
   });
   return name;
 }
 
-// Test-only: every call takes the path named `path` (cross_entropy_path's names), or
-// raises where that path cannot run it; "" gives the choice back to
-// choose_cross_entropy_path.
-void force_cross_entropy_path(const std::string& path) {
-  if (path.empty()) {
+void set_forced_cross_entropy_path(const char* path) {
+  const std::string wanted = path;
+  if (wanted.empty()) {
     forced_cross_entropy_path().store(-1);
     return;
   }
   for (int i = 0; i < kCrossEntropyPaths; ++i) {
-    if (path == kCrossEntropyPathNames[i]) {
+    if (wanted == kCrossEntropyPathNames[i]) {
       forced_cross_entropy_path().store(i);
       return;
     }
   }
   std::string names;
   for (const char* name : kCrossEntropyPathNames) names += std::string(names.empty() ? "" : ", ") + name;
-  TORCH_CHECK_VALUE(false, "cross_entropy: no path named '", path, "' (paths: ", names, ")");
+  throw std::invalid_argument("cross_entropy: no path named '" + wanted + "' (paths: " + names + ")");
 }
 
 }  // namespace fused_losses

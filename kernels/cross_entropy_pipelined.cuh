@@ -2,9 +2,6 @@
 // brought into shared memory by the copy engine, split among a cluster of blocks.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/OpMathType.h>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -92,7 +89,7 @@ __device__ __forceinline__ void write_segment_gradient(const CrossEntropyParams<
 
 template <typename T, int VEC, bool kEdges>
 __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kernel(CrossEntropyParams<T> params) {
-  using acc_t = at::opmath_type<T>;
+  using acc_t = acc_type<T>;
   using Pair = MaxSum<acc_t, exp_sum_type<T>>;
   using Part = RowPart<acc_t, exp_sum_type<T>>;
   wait_for_previous_kernel();

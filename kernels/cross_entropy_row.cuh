@@ -4,9 +4,6 @@
 // for 'mean'. The formulas are cross_entropy.cu's header.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/OpMathType.h>
-
 #include <cstdint>
 #include <type_traits>
 
@@ -70,7 +67,7 @@ __device__ __forceinline__ double max_nan_wins(double a, double b) { return isna
 // The largest value of a pack: NaN loses, as in max_acc, or with kNaNWins it wins. 2-byte
 // values pairwise in their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and
 // 4 instructions for 8 values where converting each to float first took 16.
-template <typename T, int VEC, typename acc_t = at::opmath_type<T>, bool kNaNWins = false>
+template <typename T, int VEC, typename acc_t = acc_type<T>, bool kNaNWins = false>
 __device__ __forceinline__ acc_t pack_max(const Pack<T, VEC>& pack) {
   auto max2 = [](acc_t a, acc_t b) { return kNaNWins ? max_nan_wins(a, b) : max_acc(a, b); };
   if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
@@ -329,7 +326,7 @@ template <typename T>
 struct CrossEntropyParams {
   const T* logits;            // (rows, C)
   Targets target;
-  const at::opmath_type<T>* weight;  // (C) or nullptr
+  const acc_type<T>* weight;  // (C) or nullptr
   int64_t rows, num_classes, ignore_index;
   double label_smoothing, z_loss;
   // Gradient scale of the ce and z terms without grad_output: 1, 1/rows ('mean' with
@@ -345,7 +342,7 @@ struct CrossEntropyParams {
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
-  at::opmath_type<T>* lse;  // (rows)
+  acc_type<T>* lse;  // (rows)
   Finish finish;          // partials (2, gridDim.x): per block, the sum of ce and of z (a term with z_loss)
   T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
   T* grad_target;         // (rows, C): probabilities
@@ -366,7 +363,7 @@ struct GradientScales {
   acc_t ce, z;
 };
 
-template <typename T, bool kProbs, typename acc_t = at::opmath_type<T>>
+template <typename T, bool kProbs, typename acc_t = acc_type<T>>
 __device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntropyParams<T>& params, bool want_grad,
                                                                  sum_t* scratch) {
   GradientScales<acc_t> scales{static_cast<acc_t>(params.ce_scale), static_cast<acc_t>(params.ce_scale)};

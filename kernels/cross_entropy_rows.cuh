@@ -2,9 +2,6 @@
 // by a block per row, or without a gradient by a warp per row.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/OpMathType.h>
-
 #include <cstdint>
 
 #include "cross_entropy_row.cuh"
@@ -203,7 +200,7 @@ template <typename T, int VEC, bool kEdges, bool kProbs, bool kClassSums, bool k
 __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kProbs, kClassSums) : kMaxThreads)
     cross_entropy_kernel(CrossEntropyParams<T> params) {
   static_assert(!kWarpRows || (kStreamed && kSumOnly && !kProbs && !kClassSums), "warp rows: sum-only, streamed");
-  using acc_t = at::opmath_type<T>;
+  using acc_t = acc_type<T>;
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
   using exp_sum_t = exp_sum_type<T>;

@@ -4,21 +4,22 @@
 // Everything here serves a memory-bound loss: 16-byte vector access, fp32 math (fp64
 // for float64 inputs), reductions without float atomics, and 64-bit indexing.
 //
-// Includes stay within c10/ATen headers that ship with torch: the CUDA toolkit on
-// some machines has no cuBLAS/cuSPARSE headers, which ATen/cuda/CUDAContext.h needs.
+// No ATen: c10's two 2-byte float types are the only torch headers nvcc parses (ops.h).
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/OpMathType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "ops.h"
 
 namespace fused_losses {
 
@@ -28,6 +29,41 @@ namespace fused_losses {
 using sum_t = double;
 
 constexpr int kMaxThreads = 512;
+
+// The accumulation type of T: double for double, else float (at::opmath_type's rule).
+template <typename T>
+using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// A failed check in host code: std::runtime_error, which the bindings raise as RuntimeError.
+inline void check(bool ok, const char* message) {
+  if (!ok) throw std::runtime_error(std::string("fused_losses: ") + message);
+}
+
+inline void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error, as C10_CUDA_CHECK does
+    throw std::runtime_error(std::string("fused_losses: CUDA error in ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+// Calls body(T{}) with T the C++ type of `dtype` when this build holds it (one dtype per
+// build: FUSED_LOSSES_DTYPE, a DType code), else throws.
+template <typename Body>
+void dispatch_dtype(DType dtype, Body body) {
+#ifndef FUSED_LOSSES_DTYPE
+#error "a build names its dtype: -DFUSED_LOSSES_DTYPE=<DType code> (loader.py does)"
+#endif
+  constexpr auto built = static_cast<DType>(FUSED_LOSSES_DTYPE);
+  if (dtype != built) {
+    throw std::runtime_error("fused_losses: a call in dtype code " + std::to_string(int(dtype)) +
+                             " reached the build of dtype code " + std::to_string(int(built)) +
+                             " (loader.load_for_device picks the build by dtype)");
+  }
+  if constexpr (built == DType::kFloat32) body(float{});
+  if constexpr (built == DType::kFloat64) body(double{});
+  if constexpr (built == DType::kFloat16) body(c10::Half{});
+  if constexpr (built == DType::kBFloat16) body(c10::BFloat16{});
+}
 
 // ---------------------------------------------------------------------------------
 // Math in the accumulation type (float for half/bfloat16/float, double for double).
@@ -56,7 +92,7 @@ __device__ __forceinline__ float exp2_flush_subnormal(float x) {
 }
 
 template <typename T>
-__device__ __forceinline__ at::opmath_type<T> exp_for(at::opmath_type<T> x) {
+__device__ __forceinline__ acc_type<T> exp_for(acc_type<T> x) {
   if constexpr (sizeof(T) == 2) {
     return exp2_flush_subnormal(x * kLog2e);
   } else {
@@ -69,7 +105,7 @@ __device__ __forceinline__ at::opmath_type<T> exp_for(at::opmath_type<T> x) {
 // were two). The rounding of m log2e shifts every term of a row alike, by at most
 // |m| 2^-24 in the exponent, the size of the rounding of lse = max + log(sum) itself.
 template <typename T>
-__device__ __forceinline__ at::opmath_type<T> exp_minus(at::opmath_type<T> x, at::opmath_type<T> m) {
+__device__ __forceinline__ acc_type<T> exp_minus(acc_type<T> x, acc_type<T> m) {
   if constexpr (sizeof(T) == 2) {
     return exp2_flush_subnormal(fmaf(x, kLog2e, -(m * kLog2e)));
   } else {
@@ -78,7 +114,7 @@ __device__ __forceinline__ at::opmath_type<T> exp_minus(at::opmath_type<T> x, at
 }
 
 template <typename T>
-__device__ __forceinline__ at::opmath_type<T> log_for(at::opmath_type<T> x) {
+__device__ __forceinline__ acc_type<T> log_for(acc_type<T> x) {
   if constexpr (sizeof(T) == 2) {
     return __logf(x);
   } else {
@@ -142,24 +178,6 @@ __host__ __device__ inline uintptr_t offset_from_16_bytes(const void* ptr) {
 
 inline bool is_aligned16(const void* ptr) {
   return offset_from_16_bytes(ptr) == 0;
-}
-
-// A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
-// 16-byte boundary (a multiple of the element size): a few elements more are allocated
-// (the allocator's blocks start aligned) and viewed from there.
-inline at::Tensor empty_at_offset(const at::Tensor& like, uintptr_t offset) {
-  if (offset == 0) return at::empty(like.sizes(), like.options());
-  const int64_t element = like.element_size();
-  return at::empty({like.numel() + 16 / element}, like.options())
-      .narrow(0, static_cast<int64_t>(offset) / element, like.numel())
-      .view(like.sizes());
-}
-
-// `tensor` (contiguous) itself when it starts `offset` bytes past a 16-byte boundary,
-// else a copy that does.
-inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
-  if (offset_from_16_bytes(tensor.data_ptr()) == offset) return tensor;
-  return empty_at_offset(tensor, offset).copy_(tensor);
 }
 
 // ---------------------------------------------------------------------------------

@@ -8,11 +8,6 @@
 // bits run after run.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
 #include <cstdint>
 
 #include "device.cuh"
@@ -46,8 +41,7 @@ struct Finish {
   double scale = 1.0;
   const sum_t* divisors = nullptr;  // (num_terms, num_divisors), or nullptr
   int64_t num_divisors = 0;
-  void* loss = nullptr;  // 0-dim, of loss_type
-  c10::ScalarType loss_type = c10::ScalarType::Float;
+  ScalarOut loss;  // 0-dim
   unsigned int* ticket = nullptr;  // the loss kernel's finished blocks; nullptr: finish_sum_kernel
 };
 
@@ -85,11 +79,11 @@ __device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
   }
   if (threadIdx.x != 0) return;
   result *= finish.scale;
-  switch (finish.loss_type) {
-    case c10::ScalarType::Double: store_as<double>(finish.loss, result); break;
-    case c10::ScalarType::Half: store_as<at::Half>(finish.loss, result); break;
-    case c10::ScalarType::BFloat16: store_as<at::BFloat16>(finish.loss, result); break;
-    default: store_as<float>(finish.loss, result); break;
+  switch (finish.loss.dtype) {
+    case DType::kFloat64: store_as<double>(finish.loss.data, result); break;
+    case DType::kFloat16: store_as<c10::Half>(finish.loss.data, result); break;
+    case DType::kBFloat16: store_as<c10::BFloat16>(finish.loss.data, result); break;
+    case DType::kFloat32: store_as<float>(finish.loss.data, result); break;
   }
 }
 
@@ -127,7 +121,9 @@ __device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t
 // The ticket of `stream`: a counter of the launch's finished blocks, zeroed once, that each
 // launch's last block sets back to 0. One per stream and device, since launches on one
 // stream never overlap and on two they may. Kept for the life of the process (4 bytes per
-// stream: torch's streams come from a fixed pool).
+// stream: torch's streams come from a fixed pool). From cudaMalloc, not torch's allocator:
+// memory kept for good must not sit in a CUDA graph's pool (torch.compile's
+// reduce-overhead mode allocates from one while it warms up).
 // nullptr while the stream is being captured into a CUDA graph: a graph may be replayed
 // on another stream, beside launches on this one. nullptr for cudaStreamPerThread too:
 // one handle that names another stream in each host thread.
@@ -135,18 +131,18 @@ inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
   if (stream == cudaStreamPerThread || is_capturing(stream)) return nullptr;
   static Remembered<std::pair<int, cudaStream_t>, unsigned int*> tickets;
   return tickets.get({device, stream}, [&] {
-    // A tensor never destroyed: its memory stays ours, and no destructor runs after the
-    // allocator's at exit. Zeroed on `stream`, so the first launch there sees 0.
-    auto* ticket = new at::Tensor(
-        at::zeros({1}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kInt)));
-    return static_cast<unsigned int*>(ticket->data_ptr());
+    void* ticket = nullptr;
+    cuda_check(cudaMalloc(&ticket, sizeof(unsigned int)), "cudaMalloc of the finish ticket");
+    // Zeroed on `stream`, so the first launch there sees 0.
+    cuda_check(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream), "cudaMemsetAsync of the finish ticket");
+    return static_cast<unsigned int*>(ticket);
   });
 }
 
-// What a loss kernel launched on `stream` needs to finish the scalar `loss` (0-dim) itself.
+// What a loss kernel launched on the context's stream needs to finish the scalar `loss` itself.
 inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, double scale,
-                          const sum_t* divisors, int64_t num_divisors, const at::Tensor& loss, cudaStream_t stream) {
-  TORCH_CHECK(num_terms >= 1 && num_terms <= kMaxTerms, "make_finish: internal error: ", num_terms, " terms");
+                          const sum_t* divisors, int64_t num_divisors, ScalarOut loss, const LaunchContext& context) {
+  check(num_terms >= 1 && num_terms <= kMaxTerms, "make_finish: internal error: a number of terms out of range");
   Finish finish;
   finish.partials = partials;
   finish.num_partials = num_partials;
@@ -154,16 +150,15 @@ inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, 
   finish.scale = scale;
   finish.divisors = divisors;
   finish.num_divisors = num_divisors;
-  finish.loss = loss.data_ptr();
-  finish.loss_type = loss.scalar_type();
-  finish.ticket = finish_ticket(loss.get_device(), stream);
+  finish.loss = loss;
+  finish.ticket = finish_ticket(context.device, context.stream);
   return finish;
 }
 
 // After the loss kernel: the finish it could not do itself (no ticket), in a launch of its own.
-inline void finish_without_ticket(const Finish& finish, cudaStream_t stream) {
+inline void finish_without_ticket(const Finish& finish, const LaunchContext& context) {
   if (finish.partials == nullptr || finish.ticket != nullptr) return;
-  launch_kernel(finish_sum_kernel, 1, kFinishThreads, 0, 1, stream, finish);
+  launch_kernel(finish_sum_kernel, 1, kFinishThreads, 0, 1, context.device, context.stream, finish);
 }
 
 // ---------------------------------------------------------------------------------
@@ -173,7 +168,7 @@ inline void finish_without_ticket(const Finish& finish, cudaStream_t stream) {
 
 template <typename T, int VEC>
 __global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output) {
-  using acc_t = at::opmath_type<T>;
+  using acc_t = acc_type<T>;
   wait_for_previous_kernel();
   const acc_t scale = static_cast<acc_t>(*grad_output);
   if (scale == acc_t(1)) return;
@@ -191,25 +186,20 @@ __global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_ou
   }
 }
 
-// In place: grad *= grad_output (a 0-dim tensor of grad's dtype on grad's device). Not
-// inline: the bindings call it from another translation unit (ops.h); each build
+// Not inline: the bindings call it from another translation unit (ops.h); each build
 // compiles this header once.
-void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
-  TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
-  TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type() &&
-                  grad_output.device() == grad.device(),
-              "grad_output must be one element of grad's dtype on grad's device");
-  if (grad.numel() == 0) return;
-  c10::cuda::CUDAGuard guard(grad.device());
-  auto stream = c10::cuda::getCurrentCUDAStream();
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output,
+                                 const LaunchContext& context) {
+  if (n == 0) return;
   const int threads = 256;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "scale_by_grad_output", [&] {
-    constexpr int VEC = vec16<scalar_t>();
-    const bool vector_ok = is_aligned16(grad.data_ptr());
-    auto kernel = vector_ok ? scale_by_grad_output_kernel<scalar_t, VEC> : scale_by_grad_output_kernel<scalar_t, 1>;
-    const int64_t grid = grid_for(kernel, vector_ok ? grad.numel() / VEC + 1 : grad.numel(), threads, grad.get_device());
-    launch_kernel(kernel, grid, threads, 0, 1, stream, grad.data_ptr<scalar_t>(), grad.numel(),
-                  grad_output.data_ptr<scalar_t>());
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int VEC = vec16<T>();
+    const bool vector_ok = is_aligned16(grad);
+    auto kernel = vector_ok ? scale_by_grad_output_kernel<T, VEC> : scale_by_grad_output_kernel<T, 1>;
+    const int64_t grid = grid_for(kernel, vector_ok ? n / VEC + 1 : n, threads, context.device);
+    launch_kernel(kernel, grid, threads, 0, 1, context.device, context.stream, static_cast<T*>(grad), n,
+                  static_cast<const T*>(grad_output));
   });
 }
 

@@ -41,7 +41,7 @@ struct KlDivOp {
   // compute() decides, so special values come out exactly as torch's. For 2-byte inputs
   // the hardware's approximations with subnormals flushed: a flushed ratio or p makes
   // the loss infinite, which sends the pack to compute().
-  template <typename T, typename acc_t = at::opmath_type<T>>
+  template <typename T, typename acc_t = acc_type<T>>
   __device__ __forceinline__ bool fast(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
                                        acc_t& d_target) const {
     if (log_input || log_target) return false;
@@ -62,7 +62,7 @@ struct KlDivOp {
     return isfinite(loss) && target != acc_t(0);
   }
 
-  template <typename T, typename acc_t = at::opmath_type<T>>
+  template <typename T, typename acc_t = acc_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs need, acc_t& loss, acc_t& d_input,
                                           acc_t& d_target) const {
     const acc_t log_p = log_input ? input : log_for<T>(input);
@@ -87,26 +87,10 @@ struct KlDivOp {
 };
 
 // ---------------------------------------------------------------------------------
-// Host entry points.
+// Host entry point (ops.h; entry_points.h's kl_div_forward and kl_div_backward call it).
 
-// `scale` is the reduction's factor: 1/n for 'mean', 1/input.size(0) for 'batchmean';
-// float_loss: a scalar loss in float32. Returns (loss, grad_input, grad_target);
-// gradients are written only for a scalar reduction and when asked for, else they are
-// undefined (None).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target,
-                                                              int64_t reduction, double scale, bool float_loss,
-                                                              bool want_grad_input, bool want_grad_target,
-                                                              bool log_input, bool log_target) {
-  return pointwise_loss_forward(input, target, KlDivOp{log_input, log_target}, reduction, scale, float_loss,
-                                want_grad_input, want_grad_target);
-}
-
-// Backward of reduction 'none'.
-std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, const at::Tensor& target,
-                                                   const at::Tensor& grad_output, bool want_grad_input,
-                                                   bool want_grad_target, bool log_input, bool log_target) {
-  return pointwise_loss_backward(input, target, grad_output, KlDivOp{log_input, log_target}, want_grad_input,
-                                 want_grad_target);
+void kl_div_launch(const PointwiseCall& call, bool log_input, bool log_target, const LaunchContext& context) {
+  launch_pointwise_loss(call, KlDivOp{log_input, log_target}, context);
 }
 
 }  // namespace fused_losses

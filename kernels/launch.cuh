@@ -1,10 +1,6 @@
 // launch.cuh: host launch helpers: what the GPU and a compiled kernel hold (asked once,
-// remembered), grid sizes, dependent and cluster launches (sm_90), and the outputs' tensors.
+// remembered), grid sizes, dependent and cluster launches (sm_90).
 #pragma once
-
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <cuda_runtime.h>
 
@@ -18,9 +14,6 @@
 #include "device.cuh"
 
 namespace fused_losses {
-
-// Reduction codes; losses.py holds the same table (REDUCTION_CODES).
-enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2, kBatchMean = 3 };
 
 // ---------------------------------------------------------------------------------
 // Launch geometry.
@@ -48,7 +41,7 @@ inline int multiprocessor_count(int device) {
   static Remembered<int, int> counts;
   return counts.get(device, [&] {
     int count = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    cuda_check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
     return count;
   });
 }
@@ -62,7 +55,8 @@ int resident_blocks_per_sm(Kernel kernel, int threads, int device, size_t dynami
   static Remembered<std::tuple<const void*, int, int, size_t>, int> blocks_per_sm;
   return blocks_per_sm.get({reinterpret_cast<const void*>(kernel), threads, device, dynamic_smem}, [&] {
     int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem));
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, dynamic_smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     return std::max(blocks, 1);
   });
 }
@@ -87,12 +81,14 @@ size_t max_dynamic_smem(Kernel kernel, int device) {
   static Remembered<std::pair<const void*, int>, size_t> budgets;
   return budgets.get({reinterpret_cast<const void*>(kernel), device}, [&] {
     int per_block = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cuda_check(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "cudaDeviceGetAttribute");
     cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    cuda_check(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
     const size_t budget =
         std::max<int64_t>(0, int64_t(per_block) - int64_t(attributes.sharedSizeBytes)) / 16 * 16;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(budget)));
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(budget)),
+               "cudaFuncSetAttribute");
     return budget;
   });
 }
@@ -114,7 +110,7 @@ inline bool sm90_supported(int device) {
   static Remembered<int, bool> supported;
   return supported.get(device, [&] {
     int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
     return major >= 9;
   });
 #else
@@ -136,7 +132,7 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 // Whether `stream` is being captured into a CUDA graph.
 inline bool is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  cuda_check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   return capture != cudaStreamCaptureStatusNone;
 }
 
@@ -177,7 +173,7 @@ int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int
   return clusters.get({reinterpret_cast<const void*>(kernel), cluster_blocks, threads, device, dynamic_smem}, [&] {
     const LaunchConfig launch(cluster_blocks, cluster_blocks, threads, dynamic_smem, nullptr, false);
     int count = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, kernel, &launch.config));
+    cuda_check(cudaOccupancyMaxActiveClusters(&count, kernel, &launch.config), "cudaOccupancyMaxActiveClusters");
     return int64_t(count);
   });
 #else
@@ -185,46 +181,25 @@ int64_t resident_clusters_of(Kernel kernel, int cluster_blocks, int threads, int
 #endif
 }
 
-// Launches kernel<<<blocks, threads, dynamic_smem, stream>>>(args...) on the current
-// device, in clusters of `cluster_blocks` blocks (blocks a multiple of it) when that is
+// Launches kernel<<<blocks, threads, dynamic_smem, stream>>>(args...) on `device` (the
+// current one), in clusters of `cluster_blocks` blocks (blocks a multiple of it) when that is
 // more than 1. On sm_90 a dependent launch (wait_for_previous_kernel), except on a stream
 // being captured into a CUDA graph: graphs take dependent launches only from CUDA 12.3 on.
 template <typename... KernelArgs, typename... Args>
 void launch_kernel(void (*kernel)(KernelArgs...), int64_t blocks, int threads, size_t dynamic_smem,
-                   int cluster_blocks, cudaStream_t stream, Args&&... args) {
+                   int cluster_blocks, int device, cudaStream_t stream, Args&&... args) {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-  const bool dependent = sm90_supported(c10::cuda::current_device()) && !is_capturing(stream);
+  const bool dependent = sm90_supported(device) && !is_capturing(stream);
   if (dependent || cluster_blocks > 1) {
     const LaunchConfig launch(blocks, cluster_blocks, threads, dynamic_smem, stream, dependent);
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...));
+    cuda_check(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...), "a kernel launch");
     return;
   }
 #else
-  TORCH_CHECK(cluster_blocks == 1, "internal error: a cluster launch in a build without clusters (CUDA < 12)");
+  check(cluster_blocks == 1, "internal error: a cluster launch in a build without clusters (CUDA < 12)");
 #endif
   kernel<<<blocks, threads, dynamic_smem, stream>>>(std::forward<Args>(args)...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda_check(cudaGetLastError(), "a kernel launch");
 }
-
-// An output that is not written is an undefined tensor, which Python receives as None:
-// no allocation for it (launch-bound calls feel each one).
-template <typename T>
-T* data_or_null(const at::Tensor& tensor) {
-  return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
-}
-
-// The tensor the loss is written to. A scalar reduction's is 0-dim, in the input's dtype or
-// in float32 when float_loss (what torch's autocast gives for these losses; losses.py asks
-// for it there); reduction 'none' gives one value per element or row, `unreduced_shape`.
-inline at::Tensor loss_tensor(const at::Tensor& input, int64_t reduction, bool float_loss,
-                              at::IntArrayRef unreduced_shape) {
-  if (reduction == kNone) {
-    TORCH_CHECK(!float_loss, "float_loss is for scalar reductions");
-    return at::empty(unreduced_shape, input.options());
-  }
-  return at::empty({}, input.options().dtype(float_loss ? at::kFloat : input.scalar_type()));
-}
-
-// Forward of a pointwise loss. Returns (loss, grad_input, grad_target); a gradient not
 
 }  // namespace fused_losses

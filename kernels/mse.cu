@@ -28,7 +28,7 @@ struct SquaredErrorOp {
   // -> 0.1489 ms) and 0.8% faster on the H200 (0.1081 -> 0.1073); fp16 and fp32 within 1.5%.
   static constexpr bool kOwnScalarGradPass = false;
 
-  template <typename T, typename acc_t = at::opmath_type<T>>
+  template <typename T, typename acc_t = acc_type<T>>
   __device__ __forceinline__ void compute(acc_t input, acc_t target, Needs, acc_t& loss, acc_t& d_input,
                                           acc_t& d_target) const {
     const acc_t diff = input - target;
@@ -39,23 +39,10 @@ struct SquaredErrorOp {
 };
 
 // ---------------------------------------------------------------------------------
-// Host entry points.
+// Host entry point (ops.h; entry_points.h's mse_forward and mse_backward call it).
 
-// `scale` is the reduction's factor (1/n for 'mean'); float_loss: a scalar loss in
-// float32. Returns (loss, grad_input, grad_target); gradients are written only for a
-// scalar reduction and when asked for, else they are undefined (None).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_forward(const at::Tensor& input, const at::Tensor& target,
-                                                           int64_t reduction, double scale, bool float_loss,
-                                                           bool want_grad_input, bool want_grad_target) {
-  return pointwise_loss_forward(input, target, SquaredErrorOp{}, reduction, scale, float_loss, want_grad_input,
-                                want_grad_target);
-}
-
-// Backward of reduction 'none'.
-std::tuple<at::Tensor, at::Tensor> mse_backward(const at::Tensor& input, const at::Tensor& target,
-                                                const at::Tensor& grad_output, bool want_grad_input,
-                                                bool want_grad_target) {
-  return pointwise_loss_backward(input, target, grad_output, SquaredErrorOp{}, want_grad_input, want_grad_target);
+void mse_launch(const PointwiseCall& call, const LaunchContext& context) {
+  launch_pointwise_loss(call, SquaredErrorOp{}, context);
 }
 
 }  // namespace fused_losses

@@ -1,59 +1,91 @@
-// ops.h: every kernel build's entry points, as Python calls them.
+// ops.h: what each kernels/<kernel>.cu exports to its bindings, in plain C++: raw
+// pointers, sizes, a dtype code, a stream. No torch header, so that nvcc parses no ATen:
+// the .cu files build in a fraction of the time (notes, v38). entry_points.h, compiled by
+// the host compiler in the build's main.cpp, turns tensors into these calls.
 //
-// A build is one kernels/<kernel>.cu (compiled by nvcc) plus its Python bindings
-// (loader.py's BINDINGS, compiled by the host compiler: nvcc has failed on pybind11's
-// headers in some CUDA releases). Both include this file: the bindings call what is
-// declared here, and a definition whose arguments drift from it leaves the declared
-// function undefined, which the first load reports by name. Every kernel has
-// <kernel>_forward and <kernel>_backward; scale_by_grad_output_ is finish.cuh's. The
-// bindings also bind autograd_node.h's attach_saved_gradients (host code, not a kernel op),
-// and for cross_entropy alone its test-only cross_entropy_path and force_cross_entropy_path.
-// losses.py's KERNEL_OPS repeats these signatures as schemas for torch.compile.
+// A build holds one dtype's kernels (loader.py passes FUSED_LOSSES_DTYPE); a call in
+// another dtype throws.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <string>
-#include <tuple>
 
 namespace fused_losses {
 
-// In place: grad *= grad_output (0-dim, read on the GPU; no work when it is 1).
-void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output);
+// The floating dtypes; loader.py's DTYPES holds the same codes.
+enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 
-// mse.cu
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_forward(const at::Tensor& input, const at::Tensor& target,
-                                                           int64_t reduction, double scale, bool float_loss,
-                                                           bool want_grad_input, bool want_grad_target);
-std::tuple<at::Tensor, at::Tensor> mse_backward(const at::Tensor& input, const at::Tensor& target,
-                                                const at::Tensor& grad_output, bool want_grad_input,
-                                                bool want_grad_target);
+// Reduction codes; losses.py holds the same table (REDUCTION_CODES).
+enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2, kBatchMean = 3 };
 
-// kl_div.cu
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target,
-                                                              int64_t reduction, double scale, bool float_loss,
-                                                              bool want_grad_input, bool want_grad_target,
-                                                              bool log_input, bool log_target);
-std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, const at::Tensor& target,
-                                                   const at::Tensor& grad_output, bool want_grad_input,
-                                                   bool want_grad_target, bool log_input, bool log_target);
+// Where a launch runs, and its scratch memory: allocate(owner, bytes) gives device memory
+// that stays valid until the call returns (torch's caching allocator, on `stream`).
+struct LaunchContext {
+  int device;
+  cudaStream_t stream;
+  void* (*allocate)(void* owner, size_t bytes);
+  void* owner;
+};
 
-// cross_entropy.cu. The forward's 12 arguments, written once for every function that takes
-// them (losses.py's schema repeats them for torch.compile).
-#define FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS                                                                  \
-  const at::Tensor &logits, const at::Tensor &target, const c10::optional<at::Tensor> &weight,                  \
-      int64_t ignore_index, int64_t reduction, bool float_loss, double label_smoothing, double z_loss,          \
-      bool want_grad_logits, bool want_grad_target, bool want_lse, bool inplace
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
-    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS);
-// Test-only (bound for cross_entropy alone): the path such a call takes, and a path forced on every call.
-std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS);
-void force_cross_entropy_path(const std::string& path);
-std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
-                                                          const c10::optional<at::Tensor>& weight,
-                                                          int64_t ignore_index, double label_smoothing,
-                                                          double z_loss, const at::Tensor& grad_output,
-                                                          bool want_grad_logits, bool want_grad_target);
+// A loss's 0-dim result, of `dtype`.
+struct ScalarOut {
+  void* data = nullptr;  // nullptr: no scalar reduction
+  DType dtype = DType::kFloat32;
+};
+
+// A pointwise loss over n elements of `dtype` (MSE, KL). Forward of a scalar reduction:
+// `loss` (and the gradients asked for, times `scale`); forward of 'none': loss_out;
+// backward of 'none': grad_output in, gradients out. Unused pointers are nullptr.
+struct PointwiseCall {
+  DType dtype;
+  int64_t n;
+  double scale;
+  const void* input;
+  const void* target;
+  const void* grad_output;
+  void* loss_out;
+  void* grad_input;
+  void* grad_target;
+  ScalarOut loss;
+};
+
+void mse_launch(const PointwiseCall& call, const LaunchContext& context);
+void kl_div_launch(const PointwiseCall& call, bool log_input, bool log_target, const LaunchContext& context);
+
+// In place: grad[0:n] *= *grad_output (one element of `dtype`, read on the GPU).
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output,
+                                 const LaunchContext& context);
+
+// One cross-entropy launch over (rows, classes) logits: a scalar reduction (`loss` set),
+// reduction 'none' (loss_per_row), or the backward of 'none' (grad_output set). Row
+// tensors (logits, probability targets, gradients) share one offset from 16 bytes.
+struct CrossEntropyCall {
+  DType dtype;
+  int64_t rows, classes;
+  const void* logits;
+  const void* target;   // class indices (int64, or int32 with target_int32), or probabilities
+  bool probs;
+  bool target_int32;
+  const void* weight;   // (classes) in the accumulation type, or nullptr
+  int64_t ignore_index;
+  double label_smoothing, z_loss;
+  int64_t reduction;
+  const void* grad_output;  // (rows): the backward of 'none'
+  ScalarOut loss;
+  void* loss_per_row;
+  void* lse;                // (rows) in the accumulation type
+  void* grad_logits;
+  void* grad_target;
+};
+
+void cross_entropy_launch(const CrossEntropyCall& call, const LaunchContext& context);
+// The path (by name) the call takes on `device`; launches nothing. For the tests.
+const char* cross_entropy_call_path(const CrossEntropyCall& call, int device);
+// Test-only: every call takes the path named `path` (cross_entropy_call_path's names), or
+// throws std::invalid_argument where that path cannot run it; "" gives the choice back.
+// Throws std::invalid_argument for a name that is no path.
+void set_forced_cross_entropy_path(const char* path);
 
 }  // namespace fused_losses

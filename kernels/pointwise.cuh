@@ -1,12 +1,6 @@
-// pointwise.cuh: the pointwise loss engine (MSE, KL): one kernel for every pass, its
-// launcher, and the forward and backward entry points an Op plugs into.
+// pointwise.cuh: the pointwise loss engine (MSE, KL): one kernel for every pass, and
+// the launcher an Op plugs into (launch_pointwise_loss).
 #pragma once
-
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAGuard.h>
-
-#include <tuple>
 
 #include "device.cuh"
 #include "finish.cuh"
@@ -75,11 +69,11 @@ __device__ __forceinline__ PointwiseInputs<T, VEC> load_pointwise(const Pointwis
 
 // The VEC elements at `offset`: computes and stores what is asked; returns their loss sum.
 template <int VEC, bool kSumOnly, typename T, typename Op>
-__device__ __forceinline__ at::opmath_type<T> pointwise_pack(const PointwisePointers<T>& ptr, int64_t offset,
+__device__ __forceinline__ acc_type<T> pointwise_pack(const PointwisePointers<T>& ptr, int64_t offset,
                                                              const PointwiseInputs<T, VEC>& v,
-                                                             at::opmath_type<T> grad_scale, bool need_loss,
+                                                             acc_type<T> grad_scale, bool need_loss,
                                                              const Op& op) {
-  using acc_t = at::opmath_type<T>;
+  using acc_t = acc_type<T>;
   const Needs need{need_loss, !kSumOnly && ptr.grad_input != nullptr, !kSumOnly && ptr.grad_target != nullptr};
   Pack<T, VEC> loss_pack, d_input_pack, d_target_pack;
   acc_t pack_sum = 0;
@@ -142,7 +136,7 @@ enum class PointwisePass { kSumOnly, kScalarGrad, kPerElement };
 template <typename T, int VEC, typename Op, PointwisePass kPass>
 __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointers<T> pointers, PointwiseArgs args,
                                                              Op op, Finish finish) {
-  using acc_t = at::opmath_type<T>;
+  using acc_t = acc_type<T>;
   constexpr bool kSumOnly = kPass == PointwisePass::kSumOnly;
   __shared__ sum_t scratch[32];
   // Null where the pass never uses them, as constants: their loads and stores compile out.
@@ -198,100 +192,47 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
   }
 }
 
-// Launches pointwise_loss_kernel with 16-byte packs when every pointer allows it (and its
-// kSumOnly form when only a scalar loss is asked for). With `scalar_loss` (0-dim), the
-// elements' sum times args.grad_scale is written there.
-template <typename T, typename Op>
-void launch_pointwise_loss(const PointwisePointers<T>& ptr, PointwiseArgs args, const Op& op,
-                           const at::Tensor* scalar_loss, int device) {
-  constexpr int VEC = vec16<T>();
-  const int threads = 256;
-  const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) &&
-                         is_aligned16(ptr.grad_output) && is_aligned16(ptr.loss_out) &&
-                         is_aligned16(ptr.grad_input) && is_aligned16(ptr.grad_target);
-  const bool scalar_only = scalar_loss != nullptr && ptr.grad_output == nullptr && ptr.loss_out == nullptr;
-  const bool sum_only = scalar_only && ptr.grad_input == nullptr && ptr.grad_target == nullptr;
-  auto run = [&](auto kernel, int64_t items) {
-    const int64_t grid = grid_for(kernel, items, threads, device);
-    auto stream = c10::cuda::getCurrentCUDAStream();
-    at::Tensor partials;
-    Finish finish;
-    if (scalar_loss != nullptr) {
-      partials = at::empty({grid}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
-      finish = make_finish(partials.data_ptr<sum_t>(), 1, grid, args.grad_scale, nullptr, 0, *scalar_loss, stream);
+// Launches pointwise_loss_kernel for `call` (ops.h) with 16-byte packs when every pointer
+// allows it (and its kSumOnly form when only a scalar loss is asked for). With a scalar
+// loss, the elements' sum times call.scale is written there.
+template <typename Op>
+void launch_pointwise_loss(const PointwiseCall& call, const Op& op, const LaunchContext& context) {
+  if (call.n == 0) return;  // losses.py sends empty tensors to torch
+  dispatch_dtype(call.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int VEC = vec16<T>();
+    const int threads = 256;
+    const PointwisePointers<T> ptr{static_cast<const T*>(call.input), static_cast<const T*>(call.target),
+                                   static_cast<const T*>(call.grad_output), static_cast<T*>(call.loss_out),
+                                   static_cast<T*>(call.grad_input), static_cast<T*>(call.grad_target)};
+    const PointwiseArgs args{call.n, call.scale};
+    const bool scalar_loss = call.loss.data != nullptr;
+    const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) && is_aligned16(ptr.grad_output) &&
+                           is_aligned16(ptr.loss_out) && is_aligned16(ptr.grad_input) &&
+                           is_aligned16(ptr.grad_target);
+    const bool scalar_only = scalar_loss && ptr.grad_output == nullptr && ptr.loss_out == nullptr;
+    const bool sum_only = scalar_only && ptr.grad_input == nullptr && ptr.grad_target == nullptr;
+    auto run = [&](auto kernel, int64_t items) {
+      const int64_t grid = grid_for(kernel, items, threads, context.device);
+      Finish finish;
+      if (scalar_loss) {
+        auto* partials = static_cast<sum_t*>(context.allocate(context.owner, grid * sizeof(sum_t)));
+        finish = make_finish(partials, 1, grid, args.grad_scale, nullptr, 0, call.loss, context);
+      }
+      launch_kernel(kernel, grid, threads, 0, 1, context.device, context.stream, ptr, args, op, finish);
+      finish_without_ticket(finish, context);
+    };
+    if (vector_ok && sum_only) {
+      run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kSumOnly>, args.n / VEC + 1);
+    } else if (vector_ok && scalar_only) {
+      constexpr PointwisePass kPass = Op::kOwnScalarGradPass ? PointwisePass::kScalarGrad : PointwisePass::kPerElement;
+      run(pointwise_loss_kernel<T, VEC, Op, kPass>, args.n / VEC + 1);
+    } else if (vector_ok) {
+      run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kPerElement>, args.n / VEC + 1);
+    } else {
+      run(pointwise_loss_kernel<T, 1, Op, PointwisePass::kPerElement>, args.n);
     }
-    launch_kernel(kernel, grid, threads, 0, 1, stream, ptr, args, op, finish);
-    finish_without_ticket(finish, stream);
-  };
-  if (vector_ok && sum_only) {
-    run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kSumOnly>, args.n / VEC + 1);
-  } else if (vector_ok && scalar_only) {
-    constexpr PointwisePass kPass = Op::kOwnScalarGradPass ? PointwisePass::kScalarGrad : PointwisePass::kPerElement;
-    run(pointwise_loss_kernel<T, VEC, Op, kPass>, args.n / VEC + 1);
-  } else if (vector_ok) {
-    run(pointwise_loss_kernel<T, VEC, Op, PointwisePass::kPerElement>, args.n / VEC + 1);
-  } else {
-    run(pointwise_loss_kernel<T, 1, Op, PointwisePass::kPerElement>, args.n);
-  }
-}
-
-// `other` (named `other_name` in messages) must match input in device, dtype and shape.
-// losses.py checks all of this with friendlier messages first; this guards direct calls.
-inline void check_matches_input(const at::Tensor& input, const char* other_name, const at::Tensor& other) {
-  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor");
-  TORCH_CHECK(other.device() == input.device(), other_name, " must be on the same device as input");
-  TORCH_CHECK(other.scalar_type() == input.scalar_type(), other_name, " must have the dtype of input");
-  TORCH_CHECK(other.sizes() == input.sizes(), other_name, " must have the shape of input");
-}
-
-// asked for is undefined (None in Python). `scale` is the reduction's factor (1/n for 'mean').
-// For reduction 'none' no gradient is computed here (it needs grad_output): see
-// pointwise_loss_backward.
-template <typename Op>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_loss_forward(
-    const at::Tensor& input_arg, const at::Tensor& target_arg, Op op, int64_t reduction, double scale,
-    bool float_loss, bool want_grad_input, bool want_grad_target) {
-  check_matches_input(input_arg, "target", target_arg);
-  const bool scalar_loss = reduction != kNone;
-  c10::cuda::CUDAGuard guard(input_arg.device());
-  const at::Tensor input = input_arg.contiguous();
-  const at::Tensor target = target_arg.contiguous();
-  at::Tensor loss = loss_tensor(input, reduction, float_loss, input.sizes());
-  at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
-  at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
-  if (input.numel() == 0) return {loss, grad_input, grad_target};  // losses.py sends empty tensors to torch
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
-    const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(), nullptr,
-                                          scalar_loss ? nullptr : loss.data_ptr<scalar_t>(),
-                                          data_or_null<scalar_t>(grad_input), data_or_null<scalar_t>(grad_target)};
-    launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), scale}, op, scalar_loss ? &loss : nullptr,
-                          input.get_device());
   });
-  return {loss, grad_input, grad_target};
-}
-
-// Backward of reduction 'none': grad = d loss_i / d input_i * grad_output_i.
-// Returns (grad_input, grad_target), undefined where not asked for.
-template <typename Op>
-std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(
-    const at::Tensor& input_arg, const at::Tensor& target_arg, const at::Tensor& grad_output_arg, Op op,
-    bool want_grad_input, bool want_grad_target) {
-  check_matches_input(input_arg, "target", target_arg);
-  check_matches_input(input_arg, "grad_output", grad_output_arg);
-  c10::cuda::CUDAGuard guard(input_arg.device());
-  const at::Tensor input = input_arg.contiguous();
-  const at::Tensor target = target_arg.contiguous();
-  const at::Tensor grad_output = grad_output_arg.contiguous();
-  at::Tensor grad_input = want_grad_input ? at::empty_like(input) : at::Tensor();
-  at::Tensor grad_target = want_grad_target ? at::empty_like(input) : at::Tensor();
-  if (input.numel() == 0) return {grad_input, grad_target};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "pointwise_loss", [&] {
-    const PointwisePointers<scalar_t> ptr{input.data_ptr<scalar_t>(), target.data_ptr<scalar_t>(),
-                                          grad_output.data_ptr<scalar_t>(), nullptr,
-                                          data_or_null<scalar_t>(grad_input), data_or_null<scalar_t>(grad_target)};
-    launch_pointwise_loss(ptr, PointwiseArgs{input.numel(), 1.0}, op, nullptr, input.get_device());
-  });
-  return {grad_input, grad_target};
 }
 
 }  // namespace fused_losses

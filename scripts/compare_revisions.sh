@@ -35,7 +35,7 @@ done
 wait
 for round in $(seq "$rounds"); do
   for name in "${names[@]}"; do
-    (cd "$scratch/$name" && python3 bench.py --quick --impls ours --cases "$cases" --json "$scratch/$name.json" \
+    (cd "$scratch/$name" && python3 bench.py --quick --no-first-use --impls ours --cases "$cases" --json "$scratch/$name.json" \
        --plot "$scratch/$name.png" 2>/dev/null | grep -E "^(ce|kl|mse)-" | sed "s/^/$name round $round  /")
   done
 done

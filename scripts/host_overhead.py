@@ -52,9 +52,9 @@ def main() -> int:
     t = torch.randint(0, args.cols, (args.rows,), device=device)
     mean = losses.REDUCTION_CODES["mean"]
     batchmean = losses.REDUCTION_CODES["batchmean"]
-    ce_op = loader.load_for_device("cross_entropy", device).forward
-    mse_op = loader.load_for_device("mse", device).forward
-    kl_op = loader.load_for_device("kl_div", device).forward
+    ce_op = loader.load_for_device("cross_entropy", device, x.dtype).forward
+    mse_op = loader.load_for_device("mse", device, x.dtype).forward
+    kl_op = loader.load_for_device("kl_div", device, x.dtype).forward
     cases = {
         "cross_entropy": (lambda a: F.cross_entropy(a, t), lambda a: losses.cross_entropy(a, t),
                           lambda a, g: ce_op(a, t, None, -100, mean, False, 0.0, 0.0, g, False, False, False)),

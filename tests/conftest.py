@@ -59,7 +59,7 @@ def kernels_modelled_on_cpu(monkeypatch):
                                             scale_by_grad_output_=kernel_models.scale_by_grad_output_,
                                             attach_saved_gradients=kernel_models.attach_saved_gradients)
               for kernel, (forward, backward) in kernel_models.MODELS.items()}
-    monkeypatch.setattr(loader, "load_for_device", lambda kernel, device: builds[kernel])
+    monkeypatch.setattr(loader, "load_for_device", lambda kernel, device, dtype: builds[kernel])
     monkeypatch.setattr(losses, "_pointwise_fusable", lambda input, target: None)
     monkeypatch.setattr(losses, "_cross_entropy_fusable", lambda *args: None)
     libraries = []

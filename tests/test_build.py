@@ -84,7 +84,7 @@ def test_kernel_builds_and_binds_its_ops(name, arch):
 
 def test_cross_entropy_path_query_takes_the_forwards_arguments():
     """The test-only path query is bound with the forward's 12 arguments (one list in
-    kernels/ops.h), and the path switch names what it refuses."""
+    kernels/entry_points.h), and the path switch names what it refuses."""
     assert PROBLEM is None, PROBLEM
     ops = loader.load("cross_entropy", arch=ARCHS[0])
     forward_schema = torch._C.parse_schema("forward" + losses.KERNEL_OPS["cross_entropy"]["forward"][0])
@@ -149,7 +149,7 @@ def test_cached_load_is_silent_and_fast():
     assert PROBLEM is None, PROBLEM
     loader.load("mse", arch=ARCHS[0])  # built (or found) by now
     started = time.perf_counter()
-    result = build_cli("--arch", ARCHS[0], "--kernel", "mse", timeout=120)
+    result = build_cli("--arch", ARCHS[0], "--kernel", "mse", "--dtype", "float32", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "built mse" not in result.stderr
     assert time.perf_counter() - started < 30  # interpreter + torch import; a build takes far longer
@@ -197,7 +197,7 @@ def test_build_killed_half_way_does_not_block_the_next(tmp_path):
     the next load must build and succeed, not wait forever."""
     assert PROBLEM is None, PROBLEM
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    victim = subprocess.Popen([sys.executable, str(ROOT / "loader.py"), "--arch", ARCHS[0], "--kernel", "mse"],
+    victim = subprocess.Popen([sys.executable, str(ROOT / "loader.py"), "--arch", ARCHS[0], "--kernel", "mse", "--dtype", "float32"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     build_dirs = tmp_path / "fused_losses"
     deadline = time.time() + 120
@@ -210,9 +210,9 @@ def test_build_killed_half_way_does_not_block_the_next(tmp_path):
     for build_dir in build_dirs.iterdir():  # what torch < 2.1 leaves behind after a kill
         if build_dir.is_dir():
             (build_dir / "lock").touch()
-    result = build_cli("--arch", ARCHS[0], "--kernel", "mse", env=env, timeout=900)
+    result = build_cli("--arch", ARCHS[0], "--kernel", "mse", "--dtype", "float32", env=env, timeout=900)
     assert result.returncode == 0, result.stderr
-    assert "built mse" in result.stderr
+    assert "built mse (float32)" in result.stderr
 
 
 def test_concurrent_first_use_builds_once(tmp_path):
@@ -220,11 +220,11 @@ def test_concurrent_first_use_builds_once(tmp_path):
     its lock and load that build; all succeed."""
     assert PROBLEM is None, PROBLEM
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    processes = [subprocess.Popen([sys.executable, str(ROOT / "loader.py"), "--arch", ARCHS[0], "--kernel", "mse"],
+    processes = [subprocess.Popen([sys.executable, str(ROOT / "loader.py"), "--arch", ARCHS[0], "--kernel", "mse", "--dtype", "float32"],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(8)]
     outputs = [process.communicate(timeout=900) for process in processes]
     for process, (_, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr
-    assert sum(stderr.count("built mse") for _, stderr in outputs) == 1
+    assert sum(stderr.count("built mse (float32)") for _, stderr in outputs) == 1
     assert len([p for p in (tmp_path / "fused_losses").iterdir() if p.is_dir()]) == 1

@@ -168,20 +168,24 @@ SHAPES = {
 
 def path_of(logits, target, reduction="mean", grad=False, lse=False, label_smoothing=0.0):
     """The kernel path (kernels/cross_entropy_launch.cuh) of a call with 2-D logits."""
-    return loader.load_for_device("cross_entropy", logits.device).cross_entropy_path(
+    return loader.load_for_device("cross_entropy", logits.device, logits.dtype).cross_entropy_path(
         logits, target, None, IGNORE, losses.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, grad, False,
         lse, False)
 
 
 @contextlib.contextmanager
 def forced_path(path):
-    """Every cross-entropy call in the block takes `path` (or raises where it cannot)."""
-    ops = loader.load_for_device("cross_entropy", torch.device("cuda", torch.cuda.current_device()))
-    ops.force_cross_entropy_path(path)
+    """Every cross-entropy call in the block takes `path` (or raises where it cannot), in
+    every dtype: each dtype's build holds its own switch."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    builds = [loader.load_for_device("cross_entropy", device, getattr(torch, dtype)) for dtype in loader.DTYPES]
+    for ops in builds:
+        ops.force_cross_entropy_path(path)
     try:
         yield
     finally:
-        ops.force_cross_entropy_path("")
+        for ops in builds:
+            ops.force_cross_entropy_path("")
 
 
 def on_hopper():
@@ -276,7 +280,7 @@ def test_forcing_a_path_that_cannot_run_the_call_raises():
     with forced_path("warp_rows"), pytest.raises(ValueError, match="without label smoothing"):
         losses.cross_entropy(logits, target, label_smoothing=0.1)
     with pytest.raises(ValueError, match="no path named 'fastest'"):
-        loader.load_for_device("cross_entropy", logits.device).force_cross_entropy_path("fastest")
+        loader.load_for_device("cross_entropy", logits.device, logits.dtype).force_cross_entropy_path("fastest")
     assert path_of(logits, target) == "streamed_sum_rows"  # nothing left forced
 
 

@@ -65,7 +65,7 @@ TORCH_REQUIRES_CUDA_12 = ['nvidia-cuda-runtime-cu12==12.4.127; platform_system =
 # ----------------------------------------------------------------------------------
 # What a build is.
 
-SHARED_HEADERS = {"device.cuh", "launch.cuh", "finish.cuh", "ops.h", "autograd_node.h"}
+SHARED_HEADERS = {"device.cuh", "launch.cuh", "finish.cuh", "ops.h", "entry_points.h", "autograd_node.h"}
 KERNEL_HEADERS = {
     "mse": {"pointwise.cuh"},
     "kl_div": {"pointwise.cuh"},
@@ -113,15 +113,27 @@ def test_cache_key_changes_with_everything_that_shapes_the_binary(monkeypatch):
     assert loader.cache_key(edited_header, "9.0") != base
     assert loader.cache_key(dict(sources, **{"main.cpp": sources["main.cpp"] + "\n// edited"}), "9.0") != base
     assert loader.cache_key(sources, "8.0") != base
+    assert loader.cache_key(sources, "9.0", "bfloat16") != base
     assert loader.cache_key(sources, "9.0", cuda_cflags=["-O2"]) != base
     assert loader.cache_key(sources, "9.0", cflags=["-O0"]) != base
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert loader.cache_key(sources, "9.0") != base
 
 
-def test_extension_name_carries_kernel_arch_and_key():
-    name = loader.extension_name("cross_entropy", "9.0", "0123abcd")
-    assert name == "fused_losses_cross_entropy_sm90_0123abcd" and name.isidentifier()
+def test_extension_name_carries_kernel_dtype_arch_and_key():
+    name = loader.extension_name("cross_entropy", "bfloat16", "9.0", "0123abcd")
+    assert name == "fused_losses_cross_entropy_bfloat16_sm90_0123abcd" and name.isidentifier()
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, "bfloat16", "torch.bfloat16"])
+def test_dtype_names(given):
+    assert loader.normalize_dtype(given) == "bfloat16"
+
+
+@pytest.mark.parametrize("bad", [torch.int64, "float8", ""])
+def test_bad_dtype_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="dtype must be one of float32, float64, float16, bfloat16"):
+        loader.normalize_dtype(bad)
 
 
 def test_cache_root_follows_torch_extensions_dir(monkeypatch, tmp_path):
@@ -269,7 +281,7 @@ def test_compile_errors_show_the_compiler_message(monkeypatch, tmp_path):
     (kernels / "broken.cu").write_text("this is not C++;\n")
     monkeypatch.setattr(loader, "KERNEL_DIR", kernels)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
-    with pytest.raises(loader.BuildError, match=r"(?s)building kernel 'broken' for sm_80.*error"):
+    with pytest.raises(loader.BuildError, match=r"(?s)building kernel 'broken' \(float32\) for sm_80.*error"):
         loader.load("broken", arch="8.0")
 
 

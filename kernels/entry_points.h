@@ -1,0 +1,374 @@
+// entry_points.h: every build's entry points, as Python calls them (loader.py's BINDINGS
+// bind them; losses.py's KERNEL_OPS repeats their signatures as schemas for torch.compile).
+// The tensor side of each call: checks, contiguity, outputs and scratch memory, on the
+// current stream of the inputs' device. Compiled by the host compiler in the build's
+// main.cpp; the kernels (ops.h) get raw pointers. Every kernel has <kernel>_forward and
+// <kernel>_backward; cross_entropy also the test-only cross_entropy_path and
+// force_cross_entropy_path. losses.py checks everything first with friendlier messages;
+// these checks guard direct calls of the ops.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "ops.h"
+
+namespace fused_losses {
+
+// ---------------------------------------------------------------------------------
+// Shared by every loss.
+
+inline DType dtype_of(const at::Tensor& tensor) {
+  switch (tensor.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, "expected float32, float64, float16 or bfloat16 tensors, got ", tensor.scalar_type());
+  }
+}
+
+inline ScalarOut scalar_out(const at::Tensor& loss) { return {loss.data_ptr(), dtype_of(loss)}; }
+
+template <typename T = void>
+T* data_or_null(const at::Tensor& tensor) {
+  return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
+}
+
+// One call's launch context: the current stream of `like`'s device (made current for the
+// call's life), and scratch memory from torch's caching allocator on it, held until the
+// call returns (kernels that read it are ordered before any later use on the stream).
+class CallContext {
+ public:
+  explicit CallContext(const at::Tensor& like) : guard_(like.device()), options_(like.options().dtype(at::kByte)) {}
+
+  LaunchContext launch() {
+    return {static_cast<int>(options_.device().index()), c10::cuda::getCurrentCUDAStream().stream(),
+            &CallContext::allocate, this};
+  }
+
+ private:
+  static void* allocate(void* self, size_t bytes) {
+    auto* call = static_cast<CallContext*>(self);
+    TORCH_CHECK(call->used_ < kMaxBuffers, "fused_losses: internal error: more scratch buffers than a call holds");
+    at::Tensor& buffer = call->buffers_[call->used_++];
+    buffer = at::empty({static_cast<int64_t>(bytes)}, call->options_);
+    return buffer.data_ptr();
+  }
+
+  static constexpr int kMaxBuffers = 2;
+  c10::cuda::CUDAGuard guard_;
+  at::TensorOptions options_;
+  at::Tensor buffers_[kMaxBuffers];
+  int used_ = 0;
+};
+
+// Runs a kernel call, raising its std::invalid_argument (a bad argument found on the
+// kernels' side) as a ValueError; other errors are RuntimeErrors.
+template <typename Launch>
+void run_kernels(Launch launch) {
+  try {
+    launch();
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK_VALUE(false, error.what());
+  }
+}
+
+// The tensor the loss is written to. A scalar reduction's is 0-dim, in the input's dtype or
+// in float32 when float_loss (what torch's autocast gives for these losses; losses.py asks
+// for it there); reduction 'none' gives one value per element or row, `unreduced_shape`.
+inline at::Tensor loss_tensor(const at::Tensor& input, int64_t reduction, bool float_loss,
+                              at::IntArrayRef unreduced_shape) {
+  if (reduction == kNone) {
+    TORCH_CHECK(!float_loss, "float_loss is for scalar reductions");
+    return at::empty(unreduced_shape, input.options());
+  }
+  return at::empty({}, input.options().dtype(float_loss ? at::kFloat : input.scalar_type()));
+}
+
+inline uintptr_t offset_from_16_bytes(const at::Tensor& tensor) {
+  return reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16;
+}
+
+// A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
+// 16-byte boundary (a multiple of the element size): a few elements more are allocated
+// (the allocator's blocks start aligned) and viewed from there.
+inline at::Tensor empty_at_offset(const at::Tensor& like, uintptr_t offset) {
+  if (offset == 0) return at::empty(like.sizes(), like.options());
+  const int64_t element = like.element_size();
+  return at::empty({like.numel() + 16 / element}, like.options())
+      .narrow(0, static_cast<int64_t>(offset) / element, like.numel())
+      .view(like.sizes());
+}
+
+// `tensor` (contiguous) itself when it starts `offset` bytes past a 16-byte boundary,
+// else a copy that does.
+inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
+  if (offset_from_16_bytes(tensor) == offset) return tensor;
+  return empty_at_offset(tensor, offset).copy_(tensor);
+}
+
+// In place: grad *= grad_output (a 0-dim tensor of grad's dtype on grad's device, read on
+// the GPU; no work when it is 1).
+inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
+  TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
+  TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type() &&
+                  grad_output.device() == grad.device(),
+              "grad_output must be one element of grad's dtype on grad's device");
+  if (grad.numel() == 0) return;
+  CallContext context(grad);
+  scale_by_grad_output_launch(dtype_of(grad), grad.data_ptr(), grad.numel(), grad_output.data_ptr(),
+                              context.launch());
+}
+
+// ---------------------------------------------------------------------------------
+// Pointwise losses (mse, kl_div): `launch(call, context)` is the kernel's launcher.
+
+// `other` (named `other_name` in messages) must match input in device, dtype and shape.
+inline void check_matches_input(const at::Tensor& input, const char* other_name, const at::Tensor& other) {
+  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor");
+  TORCH_CHECK(other.device() == input.device(), other_name, " must be on the same device as input");
+  TORCH_CHECK(other.scalar_type() == input.scalar_type(), other_name, " must have the dtype of input");
+  TORCH_CHECK(other.sizes() == input.sizes(), other_name, " must have the shape of input");
+}
+
+// Returns (loss, grad_input, grad_target); a gradient not asked for is undefined (None
+// in Python). `scale` is the reduction's factor (1/n for 'mean'). For reduction 'none' no
+// gradient is computed here (it needs grad_output): see pointwise_backward.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_forward(const at::Tensor& input_arg,
+                                                                 const at::Tensor& target_arg, int64_t reduction,
+                                                                 double scale, bool float_loss, bool want_grad_input,
+                                                                 bool want_grad_target, Launch launch) {
+  check_matches_input(input_arg, "target", target_arg);
+  const bool scalar_loss = reduction != kNone;
+  CallContext context(input_arg);
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor target = target_arg.contiguous();
+  at::Tensor loss = loss_tensor(input, reduction, float_loss, input.sizes());
+  at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
+  at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
+  PointwiseCall call{dtype_of(input), input.numel(), scale, input.data_ptr(), target.data_ptr(), nullptr,
+                     scalar_loss ? nullptr : loss.data_ptr(), data_or_null(grad_input), data_or_null(grad_target),
+                     scalar_loss ? scalar_out(loss) : ScalarOut{}};
+  launch(call, context.launch());
+  return {loss, grad_input, grad_target};
+}
+
+// Backward of reduction 'none': grad = d loss_i / d input_i * grad_output_i.
+// Returns (grad_input, grad_target), undefined where not asked for.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& input_arg, const at::Tensor& target_arg,
+                                                      const at::Tensor& grad_output_arg, bool want_grad_input,
+                                                      bool want_grad_target, Launch launch) {
+  check_matches_input(input_arg, "target", target_arg);
+  check_matches_input(input_arg, "grad_output", grad_output_arg);
+  CallContext context(input_arg);
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor target = target_arg.contiguous();
+  const at::Tensor grad_output = grad_output_arg.contiguous();
+  at::Tensor grad_input = want_grad_input ? at::empty_like(input) : at::Tensor();
+  at::Tensor grad_target = want_grad_target ? at::empty_like(input) : at::Tensor();
+  PointwiseCall call{dtype_of(input), input.numel(), 1.0, input.data_ptr(), target.data_ptr(),
+                     grad_output.data_ptr(), nullptr, data_or_null(grad_input), data_or_null(grad_target),
+                     ScalarOut{}};
+  launch(call, context.launch());
+  return {grad_input, grad_target};
+}
+
+// `scale` is the reduction's factor (1/n for 'mean'); float_loss: a scalar loss in
+// float32. Gradients are written only for a scalar reduction and when asked for.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_forward(const at::Tensor& input, const at::Tensor& target,
+                                                                  int64_t reduction, double scale, bool float_loss,
+                                                                  bool want_grad_input, bool want_grad_target) {
+  return pointwise_forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
+                           mse_launch);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> mse_backward(const at::Tensor& input, const at::Tensor& target,
+                                                       const at::Tensor& grad_output, bool want_grad_input,
+                                                       bool want_grad_target) {
+  return pointwise_backward(input, target, grad_output, want_grad_input, want_grad_target, mse_launch);
+}
+
+// `scale`: 1/n for 'mean', 1/input.size(0) for 'batchmean'.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_div_forward(const at::Tensor& input,
+                                                                     const at::Tensor& target, int64_t reduction,
+                                                                     double scale, bool float_loss,
+                                                                     bool want_grad_input, bool want_grad_target,
+                                                                     bool log_input, bool log_target) {
+  return pointwise_forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
+                           [&](const PointwiseCall& call, const LaunchContext& context) {
+                             kl_div_launch(call, log_input, log_target, context);
+                           });
+}
+
+inline std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, const at::Tensor& target,
+                                                          const at::Tensor& grad_output, bool want_grad_input,
+                                                          bool want_grad_target, bool log_input, bool log_target) {
+  return pointwise_backward(input, target, grad_output, want_grad_input, want_grad_target,
+                            [&](const PointwiseCall& call, const LaunchContext& context) {
+                              kl_div_launch(call, log_input, log_target, context);
+                            });
+}
+
+// ---------------------------------------------------------------------------------
+// Cross-entropy (cross_entropy.cu's header has the math).
+
+// The tensors of one call, checked and made contiguous, as a CrossEntropyCall with no
+// outputs yet.
+struct CrossEntropyInputs {
+  at::Tensor logits, target, weight;  // weight: in the accumulation type, or undefined
+  CrossEntropyCall call{};
+
+  CrossEntropyInputs(const at::Tensor& logits_arg, const at::Tensor& target_arg,
+                     const c10::optional<at::Tensor>& weight_arg, int64_t ignore_index, double label_smoothing,
+                     double z_loss) {
+    TORCH_CHECK(logits_arg.is_cuda() && logits_arg.dim() == 2, "cross_entropy: input must be 2-D (N, C) on CUDA");
+    TORCH_CHECK(target_arg.device() == logits_arg.device(), "cross_entropy: target must be on input's device");
+    const bool probs = target_arg.is_floating_point();
+    if (probs) {
+      TORCH_CHECK(target_arg.sizes() == logits_arg.sizes() && target_arg.scalar_type() == logits_arg.scalar_type(),
+                  "cross_entropy: probability targets must have input's shape and dtype");
+    } else {
+      TORCH_CHECK(target_arg.dim() == 1 && target_arg.size(0) == logits_arg.size(0),
+                  "cross_entropy: class-index target must have shape (N,)");
+      TORCH_CHECK(target_arg.scalar_type() == at::kLong || target_arg.scalar_type() == at::kInt,
+                  "cross_entropy: class-index target must be int64 or int32");
+    }
+    TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy: label_smoothing must be in [0, 1]");
+    logits = logits_arg.contiguous();
+    target = target_arg.contiguous();
+    // Probabilities are read in the same 16-byte packs as the logits (RowEdges): at the
+    // logits' offset from 16 bytes, copied there in the rare case they are not.
+    if (probs) target = at_offset(target, offset_from_16_bytes(logits));
+    if (weight_arg.has_value() && weight_arg->defined()) {
+      TORCH_CHECK(weight_arg->dim() == 1 && weight_arg->size(0) == logits.size(1) &&
+                      weight_arg->device() == logits.device(),
+                  "cross_entropy: weight must have shape (C,) on input's device");
+      weight = weight_arg->to(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
+    }
+    call.dtype = dtype_of(logits);
+    call.rows = logits.size(0);
+    call.classes = logits.size(1);
+    call.logits = logits.data_ptr();
+    call.target = target.data_ptr();
+    call.probs = probs;
+    call.target_int32 = target.scalar_type() == at::kInt;
+    call.weight = data_or_null(weight);
+    call.ignore_index = ignore_index;
+    call.label_smoothing = label_smoothing;
+    call.z_loss = z_loss;
+  }
+
+  // A fresh tensor of the logits' shape and dtype that rows are written to (a gradient):
+  // at their offset from 16 bytes, so that both are read and written in the same packs.
+  at::Tensor empty_row_tensor() const { return empty_at_offset(logits, offset_from_16_bytes(logits)); }
+
+  // The lse is kept in the accumulation type (float, or double for float64).
+  at::Tensor empty_lse() const {
+    return at::empty({logits.size(0)}, logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble
+                                                                                                   : at::kFloat));
+  }
+};
+
+// Forward. Returns (loss, grad_logits, grad_target, lse):
+//   loss: 0-dim for a scalar reduction (float32 when float_loss, else logits' dtype),
+//     (N,) for 'none';
+//   grad_logits / grad_target: written for a scalar reduction when asked for (for 'none'
+//     see cross_entropy_backward); grad_logits is `logits` itself when inplace;
+//   lse: (N,) in the accumulation type when want_lse.
+// Whatever is not written is undefined (None in Python).
+// The forward's 12 arguments, written once for every function that takes them
+// (losses.py's schema repeats them for torch.compile).
+#define FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS                                                                  \
+  const at::Tensor &logits, const at::Tensor &target, const c10::optional<at::Tensor> &weight,                  \
+      int64_t ignore_index, int64_t reduction, bool float_loss, double label_smoothing, double z_loss,          \
+      bool want_grad_logits, bool want_grad_target, bool want_lse, bool inplace
+
+// The forward's inputs and outputs as one call; `loss` receives the loss tensor.
+inline CrossEntropyInputs cross_entropy_forward_call(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS, at::Tensor& loss,
+                                                     at::Tensor& grad_logits, at::Tensor& grad_target,
+                                                     at::Tensor& lse) {
+  TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
+              "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
+  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
+  const bool scalar_loss = reduction != kNone;
+  loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows});
+  if (want_lse) lse = in.empty_lse();
+  if (scalar_loss && want_grad_logits) grad_logits = inplace ? in.logits : in.empty_row_tensor();
+  if (scalar_loss && want_grad_target) grad_target = in.empty_row_tensor();
+  in.call.reduction = reduction;
+  in.call.loss = scalar_loss ? scalar_out(loss) : ScalarOut{};
+  in.call.loss_per_row = scalar_loss ? nullptr : loss.data_ptr();
+  in.call.lse = data_or_null(lse);
+  in.call.grad_logits = data_or_null(grad_logits);
+  in.call.grad_target = data_or_null(grad_target);
+  return in;
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
+    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
+  CallContext context(logits);
+  at::Tensor loss, grad_logits, grad_target, lse;
+  const CrossEntropyInputs in =
+      cross_entropy_forward_call(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
+                                 z_loss, want_grad_logits, want_grad_target, want_lse, inplace, loss, grad_logits,
+                                 grad_target, lse);
+  run_kernels([&] { cross_entropy_launch(in.call, context.launch()); });
+  return {loss, grad_logits, grad_target, lse};
+}
+
+// Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
+// grad_target), undefined where not asked for.
+inline std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
+                                                                 const c10::optional<at::Tensor>& weight,
+                                                                 int64_t ignore_index, double label_smoothing,
+                                                                 double z_loss, const at::Tensor& grad_output_arg,
+                                                                 bool want_grad_logits, bool want_grad_target) {
+  CallContext context(logits);
+  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  TORCH_CHECK(grad_output_arg.numel() == in.call.rows && grad_output_arg.scalar_type() == in.logits.scalar_type() &&
+                  grad_output_arg.device() == in.logits.device(),
+              "cross_entropy: grad_output must have N elements of input's dtype on input's device");
+  TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
+  const at::Tensor grad_output = grad_output_arg.contiguous();
+  at::Tensor grad_logits = want_grad_logits ? in.empty_row_tensor() : at::Tensor();
+  at::Tensor grad_target = want_grad_target ? in.empty_row_tensor() : at::Tensor();
+  in.call.reduction = kNone;
+  in.call.grad_output = grad_output.data_ptr();
+  in.call.grad_logits = data_or_null(grad_logits);
+  in.call.grad_target = data_or_null(grad_target);
+  if (want_grad_logits || want_grad_target) run_kernels([&] { cross_entropy_launch(in.call, context.launch()); });
+  return {grad_logits, grad_target};
+}
+
+// The path (CrossEntropyPath, by name) that cross_entropy_forward with these arguments
+// takes on the tensors' device; launches nothing. For the tests.
+inline std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
+  CallContext context(logits);
+  at::Tensor loss, grad_logits, grad_target, lse;
+  const CrossEntropyInputs in =
+      cross_entropy_forward_call(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
+                                 z_loss, want_grad_logits, want_grad_target, want_lse, inplace, loss, grad_logits,
+                                 grad_target, lse);
+  std::string name;
+  run_kernels([&] { name = cross_entropy_call_path(in.call, context.launch().device); });
+  return name;
+}
+
+// Test-only: every call takes the path named `path` (cross_entropy_path's names), or
+// raises where that path cannot run it; "" gives the choice back.
+inline void force_cross_entropy_path(const std::string& path) {
+  run_kernels([&] { set_forced_cross_entropy_path(path.c_str()); });
+}
+
+}  // namespace fused_losses
