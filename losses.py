@@ -178,7 +178,7 @@ def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
 # and dtypes. Eager calls skip this layer and call the build directly: a custom op's
 # dispatch costs microseconds, which launch-bound losses would feel.
 #
-# KERNEL_OPS mirrors kernels/ops.h: op name -> (schema without the name, fake). A changed
+# KERNEL_OPS mirrors kernels/entry_points.h: op name -> (schema without the name, fake). A changed
 # kernel signature changes its row here (tests/test_build.py compares them).
 
 def _pointwise_forward_fake(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
@@ -200,7 +200,7 @@ def _schema_argument_names(schema: str) -> list[str]:
     return [argument.split()[-1] for argument in schema[1:schema.index(") ->")].split(",")]
 
 
-# Its 12 arguments are written here once (kernels/ops.h has them once in C++); the fake
+# Its 12 arguments are written here once (kernels/entry_points.h has them once in C++); the fake
 # reads them by name.
 _CROSS_ENTROPY_FORWARD = ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
                           "bool float_loss, float label_smoothing, float z_loss, bool want_grad_logits, "
