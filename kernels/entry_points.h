@@ -293,17 +293,20 @@ struct CrossEntropyInputs {
       int64_t ignore_index, int64_t reduction, bool float_loss, double label_smoothing, double z_loss,          \
       bool want_grad_logits, bool want_grad_target, bool want_lse, bool inplace
 
-// The forward's inputs and outputs as one call; `loss` receives the loss tensor.
-inline CrossEntropyInputs cross_entropy_forward_call(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS, at::Tensor& loss,
-                                                     at::Tensor& grad_logits, at::Tensor& grad_target,
-                                                     at::Tensor& lse) {
+// The forward's tensors, checked and allocated, handed to use(call, launch context): the
+// launch, or the path query. Returns (loss, grad_logits, grad_target, lse).
+template <typename Use>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_forward(
+    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS, Use use) {
   TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
               "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
+  CallContext context(logits);
   CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
   TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
   const bool scalar_loss = reduction != kNone;
-  loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows});
-  if (want_lse) lse = in.empty_lse();
+  at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows});
+  at::Tensor lse = want_lse ? in.empty_lse() : at::Tensor();
+  at::Tensor grad_logits, grad_target;
   if (scalar_loss && want_grad_logits) grad_logits = inplace ? in.logits : in.empty_row_tensor();
   if (scalar_loss && want_grad_target) grad_target = in.empty_row_tensor();
   in.call.reduction = reduction;
@@ -312,19 +315,15 @@ inline CrossEntropyInputs cross_entropy_forward_call(FUSED_LOSSES_CROSS_ENTROPY_
   in.call.lse = data_or_null(lse);
   in.call.grad_logits = data_or_null(grad_logits);
   in.call.grad_target = data_or_null(grad_target);
-  return in;
+  run_kernels([&] { use(in.call, context.launch()); });
+  return {loss, grad_logits, grad_target, lse};
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
     FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
-  CallContext context(logits);
-  at::Tensor loss, grad_logits, grad_target, lse;
-  const CrossEntropyInputs in =
-      cross_entropy_forward_call(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
-                                 z_loss, want_grad_logits, want_grad_target, want_lse, inplace, loss, grad_logits,
-                                 grad_target, lse);
-  run_kernels([&] { cross_entropy_launch(in.call, context.launch()); });
-  return {loss, grad_logits, grad_target, lse};
+  return with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
+                                    z_loss, want_grad_logits, want_grad_target, want_lse, inplace,
+                                    cross_entropy_launch);
 }
 
 // Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
@@ -354,14 +353,12 @@ inline std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tenso
 // The path (CrossEntropyPath, by name) that cross_entropy_forward with these arguments
 // takes on the tensors' device; launches nothing. For the tests.
 inline std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
-  CallContext context(logits);
-  at::Tensor loss, grad_logits, grad_target, lse;
-  const CrossEntropyInputs in =
-      cross_entropy_forward_call(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
-                                 z_loss, want_grad_logits, want_grad_target, want_lse, inplace, loss, grad_logits,
-                                 grad_target, lse);
   std::string name;
-  run_kernels([&] { name = cross_entropy_call_path(in.call, context.launch().device); });
+  with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
+                             want_grad_logits, want_grad_target, want_lse, inplace,
+                             [&](const CrossEntropyCall& call, const LaunchContext& context) {
+                               name = cross_entropy_call_path(call, context.device);
+                             });
   return name;
 }
 
