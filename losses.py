@@ -408,6 +408,9 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "batchmean", "mean", "sum"))
     _check_same_device(input, target)
+    if not (input.is_floating_point() and target.is_floating_point()):  # torch's checks, before any promotion
+        kind = "Complex" if input.is_complex() or target.is_complex() else "Integral"
+        raise RuntimeError(f"kl_div: {kind} inputs not supported.")
     why_not = _pointwise_fusable(input, target)
     if why_not is None:
         batch_size = input.shape[0] if input.dim() != 0 else 1  # torch's, before broadcasting
@@ -667,6 +670,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
             _mark_overwritten(logits)
         if want_grads:
             loss = ops.attach_saved_gradients(loss, logits, grad_logits, rows_target, grad_target)
+    if dim == 1 and reduction == "mean" and not probs and not label_smoothing:
+        # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0.
+        loss = loss.masked_fill(rows_target[0] == ignore_index, 0)
     if dim == 2 or not (reduction == "none" or return_lse):
         return (loss, lse) if return_lse else loss
     row_shape = input.shape[:1] + input.shape[2:] if dim > 1 else torch.Size()

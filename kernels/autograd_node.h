@@ -13,6 +13,7 @@
 #include <c10/util/Optional.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <string>
 #include <type_traits>
@@ -24,10 +25,11 @@ namespace fused_losses {
 
 // backward: scales the saved gradients in place by grad_output (on the GPU, no work when
 // it is 1) and hands them on. The node holds their only reference, so autograd makes
-// them .grad without a copy.
+// them .grad without a copy. Under retain_graph=True another backward may follow: that
+// backward hands on scaled copies and keeps the gradients.
 struct ScaleSavedGradients : torch::autograd::Node {
   torch::autograd::variable_list grads;  // one per next edge; undefined where none is wanted
-  bool used = false;
+  bool handed_on = false;                // grads are gone: a later backward has nothing to give
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override {
     // Grad mode is on in backward only for create_graph=True, whose gradients are to be
@@ -37,17 +39,19 @@ struct ScaleSavedGradients : torch::autograd::Node {
                 "the fused losses have no second derivative: backward(create_graph=True) or "
                 "torch.autograd.grad(..., create_graph=True) through one would treat its gradient as a constant; "
                 "use torch.nn.functional's loss where the gradient is differentiated again");
-    TORCH_CHECK(!used,
-                "this fused loss computed its gradient in the forward pass and has already used it: "
-                "backward through it twice (retain_graph=True) is not supported");
-    used = true;
-    torch::autograd::variable_list out = std::exchange(grads, {});
+    TORCH_CHECK(!handed_on,
+                "Trying to backward through the graph a second time: this fused loss handed on the gradient its "
+                "forward computed. Specify retain_graph=True if you need to backward through the graph a second time.");
+    const bool keep = torch::autograd::get_current_graph_task_keep_graph();
+    torch::autograd::variable_list out = keep ? grads : std::exchange(grads, {});
+    handed_on = !keep;
     const at::Tensor& grad_output = grad_outputs[0];
     // No gradient reached the loss (a later node gave it none): none flows on, as from
     // torch's own nodes.
     if (!grad_output.defined()) return torch::autograd::variable_list(out.size());
     for (at::Tensor& grad : out) {
       if (!grad.defined()) continue;
+      if (keep) grad = grad.clone();
       const bool usable = grad_output.dim() == 0 && grad_output.scalar_type() == grad.scalar_type();
       scale_by_grad_output_(grad, usable ? grad_output : grad_output.reshape({}).to(grad.scalar_type()));
     }

@@ -111,7 +111,9 @@ __device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_ty
   acc_t pack_sum = 0;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) pack_sum += exp_minus<T>(static_cast<acc_t>(pack.val[k]), max);
-  return {max, acc.sum * exp_minus<T>(acc.max, max) + pack_sum};
+  // Rescaled only when the max moved: exp_minus(m, m) of 2-byte T is 1 within the rounding of
+  // m log2e, not exactly 1, and a factor taken each pack would compound along the row.
+  return {max, (max == acc.max ? acc.sum : acc.sum * exp_minus<T>(acc.max, max)) + pack_sum};
 }
 
 // Sums over a row that label smoothing and probability targets need. Logits enter as
@@ -415,7 +417,14 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(params.num_classes);  // eps / C
-  const acc_t log_sum = log_acc(static_cast<acc_t>(sum));
+  // For 2-byte T every term of the sum, the max's own included, carries exp_minus's factor
+  // exp_minus(max, max) (1 within the rounding of max log2e): divided out, a row whose max
+  // dwarfs the rest sums to exactly 1 and its loss is exactly 0, as torch's.
+  exp_sum_t own_term = 1;
+  if constexpr (sizeof(T) == 2) {
+    if (isfinite(row_max)) own_term = exp_minus<T>(row_max, row_max);  // else the sum is 0 or NaN already
+  }
+  const acc_t log_sum = log_acc(static_cast<acc_t>(sum / own_term));
   const acc_t lse = row_max + log_sum;
   // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
   // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight

@@ -122,7 +122,6 @@ class _ScaleSavedGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, loss_and_grads):
         loss, ctx.grads = loss_and_grads
-        ctx.used = False
         ctx.set_materialize_grads(False)
         return loss
 
@@ -130,15 +129,10 @@ class _ScaleSavedGradients(torch.autograd.Function):
     def backward(ctx, grad_output):
         if torch.is_grad_enabled():
             raise RuntimeError("model of the fused losses' node: no second derivative (create_graph=True)")
-        if ctx.used:
-            raise RuntimeError("model of the fused losses' node: its gradient is already used (retain_graph=True)")
-        ctx.used = True
         if grad_output is None:  # no gradient reached the loss: none flows on
             return None, None, None
-        for grad in ctx.grads:
-            if grad is not None:
-                scale_by_grad_output_(grad, grad_output.to(grad.dtype))
-        return (*ctx.grads, None)
+        # Scaled copies (the node scales in place when no later backward can come; same values).
+        return (*(None if grad is None else grad * grad_output.to(grad.dtype) for grad in ctx.grads), None)
 
 
 def attach_saved_gradients(loss, input, grad_input, target, grad_target):

@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) through each loss, forward and backward, equal to eager.
+"""torch.compile(fullgraph=True) through each loss, forward and backward, equal to eager, in
+every compile mode.
 
 On the GPU the real kernels run (torch >= 2.4). On CPU (CI) the same tracing runs with
 the kernels replaced by the Python models of kernel_models.py (the kernels_modelled_on_cpu
@@ -7,6 +8,7 @@ the ops' outputs, and the in-place backward survives compilation.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import losses
@@ -176,3 +178,60 @@ def test_compiled_matches_eager(case):
 @needs_compile_ops
 def test_fakes_match_the_kernels():
     check_fakes_match_the_ops("cuda")
+
+
+# ----------------------------------------------------------------------------------
+# GPU: every compile mode, in training (compiled forward, backward outside it) and in
+# no-grad evaluation, each checked against torch's own loss, which is compiled in the same
+# mode as the control. The model is a scale of the inputs (no matmul for max-autotune to tune).
+
+def scaled_step(loss):
+    def step(scale, x, target):
+        return loss(x * scale, target)
+    return step
+
+
+def kl_log_input_false(ours):
+    if ours:
+        return lambda x, q: losses.kl_div(x.softmax(-1), q, reduction="batchmean", log_input=False)
+    return lambda x, q: F.kl_div(x.softmax(-1).log(), q, reduction="batchmean")
+
+
+MODE_STEPS = {  # case: (ours, torch's)
+    "cross_entropy mean": (lambda x, t: losses.cross_entropy(x, t), lambda x, t: F.cross_entropy(x, t)),
+    "cross_entropy none": (lambda x, t: losses.cross_entropy(x, t, reduction="none"),
+                           lambda x, t: F.cross_entropy(x, t, reduction="none")),
+    "mse_loss mean": (lambda x, y: losses.mse_loss(x, y), lambda x, y: F.mse_loss(x, y)),
+    "kl_div log_input=False": (kl_log_input_false(True), kl_log_input_false(False)),
+}
+COMPILE_MODES = {"default": {}, "reduce-overhead": {"mode": "reduce-overhead"},
+                 "max-autotune": {"mode": "max-autotune"}, "dynamic=True": {"dynamic": True}}
+
+
+def mode_inputs(case, rows):
+    weight, x, target = step_inputs(case, "cuda")
+    return torch.linspace(0.5, 1.5, 100, device="cuda"), (x @ weight)[:rows] * 3, target[:rows]
+
+
+@pytest.mark.gpu
+@needs_compile_ops
+@pytest.mark.parametrize("use", ["training", "evaluation"])
+@pytest.mark.parametrize("mode", list(COMPILE_MODES))
+@pytest.mark.parametrize("case", list(MODE_STEPS))
+def test_every_compile_mode_matches_torch(case, mode, use):
+    """Three calls (CUDA graph trees warm up, record, replay), the last with fewer rows
+    (a new shape: dynamic=True traces it symbolically, the others recompile)."""
+    torch._dynamo.reset()
+    ours, theirs = (torch.compile(scaled_step(loss), fullgraph=True, **COMPILE_MODES[mode])
+                    for loss in MODE_STEPS[case])
+    for rows in (64, 64, 48):
+        inputs = mode_inputs(case, rows)
+        if use == "training":  # outputs of CUDA graphs are cloned before the next graph runs, as users must
+            ours_out, control = (tuple(out.clone() for out in run_step(step, *inputs)) for step in (ours, theirs))
+            expected = run_step(scaled_step(MODE_STEPS[case][1]), *inputs)
+        else:
+            with torch.no_grad():
+                ours_out, control = ours(*inputs).clone(), theirs(*inputs).clone()
+                expected = scaled_step(MODE_STEPS[case][1])(*inputs)
+        torch.testing.assert_close(control, expected)  # torch's loss works in this mode
+        torch.testing.assert_close(ours_out, expected)

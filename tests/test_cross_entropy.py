@@ -630,3 +630,63 @@ def test_masked_nan_and_inf_logits_match_torch(num_classes, reduction, label_smo
         lambda x, t: losses.cross_entropy(x, t, reduction=reduction, label_smoothing=label_smoothing),
         lambda x, t: F.cross_entropy(x, t, reduction=reduction, label_smoothing=label_smoothing),
         [logits, target], rtol=1e-9)
+
+
+# ----------------------------------------------------------------------------------
+# Exact edges: where torch's loss is exactly 0 ours is too, and torch's CUDA answer for
+# one unbatched, ignored target.
+
+EXACT_ZERO_SHAPES = {name: SHAPES[name] for name in ("7x1000", LONG_ROW, STREAMED_ROW, "LLM vocabulary C = 128256")}
+EXACT_ZERO_SHAPES["one class"] = lambda dtype: randn(7, 1, dtype=dtype)
+EXACT_ZERO_SHAPES[WARP_ROWS] = SHAPES[WARP_ROWS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "grad"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(EXACT_ZERO_SHAPES))
+def test_loss_is_exactly_zero_where_torchs_is(case, dtype, reduction, grad):
+    """Rows whose target logit exceeds every other by 60 (the rest of the softmax sum is
+    below the rounding of 1, float64's too), and one-class rows: torch's loss is exactly 0, and so
+    is ours, in every dtype, reduction and kernel path (the 2-byte exp's rounding of the
+    max once left 1e-7 to 2e-6), and the target's gradient too. With 'none' every other
+    row is ordinary, and matches torch as well."""
+    logits = EXACT_ZERO_SHAPES[case](dtype)
+    rows, classes = logits.shape
+    target = torch.randint(0, classes, (rows,), device="cuda")
+    every = 2 if reduction == "none" else 1
+    peaked = torch.arange(rows, device="cuda") % every == 0
+    logits[peaked, target[peaked]] = (logits[peaked].float().amax(1) + 60).to(dtype)
+    theirs = F.cross_entropy(logits, target, reduction="none")
+    assert (theirs[peaked] == 0).all()
+    x = logits.detach().requires_grad_(grad)
+    ours = losses.cross_entropy(x, target, reduction=reduction)
+    if reduction == "none":
+        assert (ours[peaked] == 0).all(), ours[peaked]
+        torch.testing.assert_close(ours, theirs, rtol=FLOOR[dtype], atol=0)
+        return
+    assert ours.item() == 0
+    if grad:
+        ours.backward()
+        assert (x.grad[torch.arange(rows, device="cuda"), target] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight", [False, True], ids=["no weight", "weight"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_one_unbatched_ignored_target_gives_torchs_cuda_result(weight, reduction, label_smoothing):
+    """A (C,) input whose 0-dim target is ignore_index: torch's CUDA loss is 0 for 'mean'
+    without label smoothing (its 1-D kernel), NaN with it; ours gives the same."""
+    logits = randn(1000, dtype=torch.float32).requires_grad_()
+    target = torch.tensor(IGNORE, device="cuda")
+    w = torch.rand(1000, device="cuda") if weight else None
+    arguments = dict(weight=w, ignore_index=IGNORE, reduction=reduction, label_smoothing=label_smoothing)
+    ours = losses.cross_entropy(logits, target, **arguments)
+    theirs = F.cross_entropy(logits, target, **arguments)
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+    if not theirs.isnan():
+        (ours_grad,) = torch.autograd.grad(ours, logits)
+        (theirs_grad,) = torch.autograd.grad(theirs, logits)
+        torch.testing.assert_close(ours_grad, theirs_grad)

@@ -62,14 +62,25 @@ SCALAR_CASES = [(name, reduction) for name, loss in LOSSES.items() for reduction
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,reduction", SCALAR_CASES, ids=str)
-def test_backward_twice_with_retain_graph_raises_clearly(name, reduction):
+def test_backward_again_with_retain_graph_matches_torch(name, reduction):
+    """retain_graph=True: a second backward (here with another grad_output) gives torch's
+    gradients; a third, after one without retain_graph, raises as torch does."""
     inputs = LOSSES[name].inputs(7, 1000, torch.float32)
-    leaf = inputs[0].requires_grad_()
-    loss = LOSSES[name].fused(reduction)(*inputs)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward through it twice"):
+
+    def two_backwards(loss_fn):
+        leaf = inputs[0].detach().clone().requires_grad_()
+        loss = loss_fn(leaf, *inputs[1:])
+        loss.backward(retain_graph=True)
+        first = leaf.grad.clone()
+        loss.backward(torch.tensor(0.5, device=loss.device, dtype=loss.dtype))
+        return loss, first, leaf.grad
+
+    loss, *ours = two_backwards(LOSSES[name].fused(reduction))
+    _, *theirs = two_backwards(LOSSES[name].reference(reduction))
+    for mine, torchs in zip(ours, theirs):
+        torch.testing.assert_close(mine, torchs)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
-    assert leaf.grad is not None
 
 
 @pytest.mark.gpu

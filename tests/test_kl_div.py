@@ -165,3 +165,18 @@ def test_zeros_nan_and_inf_follow_torchs_conventions(reduction, log_target, log_
         lambda i, t: losses.kl_div(i, t, reduction=reduction, log_target=log_target, log_input=log_input),
         lambda i, t: reference(i, t, reduction, log_target, log_input), [input, target], grad_of=(0, 1),
         rtol=1e-12)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("integral", ["input", "target", "both"])
+def test_integer_tensors_raise_as_torch(device, integral):
+    """torch refuses integer (and bool) operands before any type promotion; so do we, also
+    where a float operand would have promoted them into the fused kernel."""
+    floats = probabilities(4, 5, device=device)
+    ints = torch.randint(0, 3, (4, 5), device=device)
+    input, target = {"input": (ints, floats), "target": (floats, ints), "both": (ints, ints)}[integral]
+    with pytest.raises(RuntimeError, match="kl_div: Integral inputs not supported"):
+        F.kl_div(input, target, reduction="batchmean")
+    for log_input in (True, False):
+        with pytest.raises(RuntimeError, match="kl_div: Integral inputs not supported"):
+            losses.kl_div(input, target, reduction="batchmean", log_input=log_input)
