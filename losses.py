@@ -586,6 +586,8 @@ def _cross_entropy_fusable(input, target, weight) -> str | None:
 def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, return_lse):
     """torch's F.cross_entropy, plus the z-loss and lse that the kernel adds (their
     definitions, in torch ops)."""
+    if target.dtype == torch.int32:  # the kernels take int32 class indices; torch's loss takes int64
+        target = target.long()
     loss = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
     if not (z_loss or return_lse):
@@ -595,8 +597,8 @@ def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_s
     if z_loss:
         counted = torch.ones_like(lse) if target.is_floating_point() else (target != ignore_index).to(lse.dtype)
         z = z_loss * lse.square() * counted
-        if reduction == "mean":
-            z = z.sum() / counted.sum()
+        if reduction == "mean":  # no row counted: the ce term is NaN already; z adds 0 (and no NaN gradient)
+            z = z.sum() / counted.sum().clamp_min(1)
         elif reduction == "sum":
             z = z.sum()
         loss = loss + z.to(loss.dtype)
@@ -670,7 +672,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
             _mark_overwritten(logits)
         if want_grads:
             loss = ops.attach_saved_gradients(loss, logits, grad_logits, rows_target, grad_target)
-    if dim == 1 and reduction == "mean" and not probs and not label_smoothing:
+    if dim == 1 and reduction == "mean" and not probs and not label_smoothing and logits.is_cuda:
         # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0.
         loss = loss.masked_fill(rows_target[0] == ignore_index, 0)
     if dim == 2 or not (reduction == "none" or return_lse):

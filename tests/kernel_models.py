@@ -11,21 +11,27 @@ import losses
 NONE, MEAN = losses.REDUCTION_CODES["none"], losses.REDUCTION_CODES["mean"]
 
 def pointwise_model(math):
-    """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element."""
+    """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element,
+    computed like the kernels in the accumulation type and rounded to the dtype once."""
+    def accumulated(input, target, op_args):
+        acc = losses._accumulation_dtype(input.dtype)
+        return math(input.to(acc), target.to(acc), *op_args)
+
     @torch.no_grad()
     def forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target, *op_args):
-        loss, grad_input, grad_target = math(input, target, *op_args)
+        loss, grad_input, grad_target = accumulated(input, target, op_args)
         if reduction == NONE:
-            return loss, input.new_empty(0), input.new_empty(0)  # outputs never alias each other
+            return loss.to(input.dtype), input.new_empty(0), input.new_empty(0)  # outputs never alias each other
         return (loss.double().sum().mul(scale).to(torch.float32 if float_loss else input.dtype),
-                grad_input * scale if want_grad_input else input.new_empty(0),
-                grad_target * scale if want_grad_target else input.new_empty(0))
+                (grad_input * scale).to(input.dtype) if want_grad_input else input.new_empty(0),
+                (grad_target * scale).to(input.dtype) if want_grad_target else input.new_empty(0))
 
     @torch.no_grad()
     def backward(input, target, grad_output, want_grad_input, want_grad_target, *op_args):
-        _, grad_input, grad_target = math(input, target, *op_args)
-        return (grad_input * grad_output if want_grad_input else input.new_empty(0),
-                grad_target * grad_output if want_grad_target else input.new_empty(0))
+        _, grad_input, grad_target = accumulated(input, target, op_args)
+        grad_output = grad_output.to(grad_input.dtype)
+        return ((grad_input * grad_output).to(input.dtype) if want_grad_input else input.new_empty(0),
+                (grad_target * grad_output).to(input.dtype) if want_grad_target else input.new_empty(0))
 
     return forward, backward
 
@@ -41,7 +47,8 @@ def kl_div_terms(input, target, log_input, log_target):
     if log_target:
         loss = q * (target - log_p)
         return loss, grad_input, loss + q
-    return torch.xlogy(q, q) - q * log_p, grad_input, q.log() + 1 - log_p
+    # d xlogy(q, q) / dq as torch's autograd gives it (and the kernel): NaN at q == 0.
+    return torch.xlogy(q, q) - q * log_p, grad_input, torch.xlogy(q != 0, q) + q / q - log_p
 
 
 REDUCTION_NAMES = {code: name for name, code in losses.REDUCTION_CODES.items()}
@@ -83,8 +90,9 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
         scale, z_scale = 1 / divisor, 1 / z_divisor
     else:
         scale = z_scale = 1.0
-    grad_x = grad_x * scale[:, None] if reduction == "none" else grad_x * scale
-    grad_x = grad_x + 2 * z_loss * (lse * counted * z_scale)[:, None] * p
+    keep = counted[:, None] > 0  # the kernel leaves an ignored row's gradient 0, whatever the scale (1 / 0)
+    grad_x = torch.where(keep, grad_x * (scale[:, None] if reduction == "none" else scale), 0.0)
+    grad_x = grad_x + torch.where(keep, 2 * z_loss * (lse * z_scale)[:, None] * p, 0.0)
     if grad_y is not None:
         grad_y = grad_y * scale[:, None] if reduction == "none" else grad_y * scale
     grads = [grad.to(logits.dtype) if wanted else logits.new_empty(0) for grad, wanted in zip((grad_x, grad_y), want_grads)]

@@ -95,6 +95,7 @@ def test_bad_arguments_raise_clear_errors():
         (dict(target=torch.rand(6, 5), ignore_index=0), "ignore_index is not supported"),
         (dict(weight=torch.rand(4)), r"weight must have shape \(5,\)"),
         (dict(label_smoothing=1.5), "label_smoothing must be between 0.0 and 1.0"),
+        (dict(label_smoothing=-0.1), "label_smoothing must be between 0.0 and 1.0"),  # torch takes it (README)
         (dict(z_loss=-1.0), "z_loss must be >= 0"),
         (dict(reduction="none", inplace_backward=True), "inplace_backward=True needs reduction"),
         (dict(input=torch.randn(6, 5, requires_grad=True), inplace_backward=True), "leaf tensor"),

@@ -1,0 +1,191 @@
+"""A seeded walk over each loss's whole argument space: CASES random cases per loss, each
+compared with torch against float64 (helpers.check_against_float64), or, where the float64
+loss or a gradient is not finite or the batch is empty, element by element.
+
+Shapes include one class, unbatched inputs and empty batches; every dtype and option;
+ignore patterns from none to every row; weights and probability targets; gradients of
+every input that can have one. A failure names its case and the seed that rebuilds it
+(FUSED_LOSSES_SEED reruns the same walk). On CPU (CI) the same walk runs through the
+Python models of the kernels (kernels_modelled_on_cpu): the Python layer is checked there,
+the kernels on the GPU.
+"""
+import contextlib
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import losses
+from conftest import SEED
+from helpers import DTYPES, check_against_float64, loss_and_grads
+
+CASES = 300  # per loss
+CHUNKS = 10  # test items per loss, CASES / CHUNKS cases each
+MAX_ELEMENTS = 1 << 21
+
+
+def class_weights(num_classes, rng, device):
+    """Weights from 0.5 to 1.5 (bfloat16 values: every dtype holds them exactly)."""
+    weights = torch.tensor([rng.uniform(0.5, 1.5) for _ in range(num_classes)], device=device)
+    return weights.to(torch.bfloat16).float()
+
+
+def cross_entropy_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    classes = rng.choice([1, 2, 3, 7, 100, 1000, 1001, 4099, 40001])
+    layout = rng.choice(["unbatched", "rows", "rows", "(N, C, d)"])
+    rows = rng.choice([0, 1, 3, 17, 64]) if layout != "unbatched" else 1
+    rows = min(rows, max(1, MAX_ELEMENTS // classes))
+    extra = rng.choice([1, 3]) if layout == "(N, C, d)" else 1
+    shape = {"unbatched": (classes,), "rows": (rows, classes), "(N, C, d)": (rows, classes, extra)}[layout]
+    logits = (torch.randn(shape, device=device) * rng.choice([0.1, 2.0, 8.0])).to(dtype)
+    probs = rng.random() < 0.25
+    ignore_index = -100 if probs else rng.choice([-100, -100, 0, classes - 1])
+    options = dict(reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.0, 0.1, 0.35]),
+                   z_loss=rng.choice([0.0, 0.0, 1e-3]), ignore_index=ignore_index)
+    weights = class_weights(classes, rng, device) if rng.random() < 0.4 else None
+    if probs:
+        target = torch.randn(shape, device=device).mul(rng.choice([0.5, 3.0])).softmax(1 if len(shape) > 1 else 0)
+        target = target.to(dtype)
+        ignored = "-"
+    else:
+        target_shape = {"unbatched": (), "rows": (rows,), "(N, C, d)": (rows, extra)}[layout]
+        target = torch.randint(0, classes, target_shape, device=device)
+        ignored = rng.choice(["none", "some", "all"])
+        if ignored != "none":
+            mask = torch.rand(target_shape, device=device) < (0.3 if ignored == "some" else 2.0)
+            target = target.masked_fill(mask, ignore_index)
+        target = target.to(rng.choice([torch.int64, torch.int32]))
+    grad_of = (0, 1) if probs and rng.random() < 0.5 else (0,)
+
+    def fused(x, t):
+        w = None if weights is None else weights.to(x.dtype)
+        return losses.cross_entropy(x, t, weight=w, **options)
+
+    def reference(x, t):
+        w = None if weights is None else weights.to(x.dtype)
+        return losses._torch_cross_entropy(x, t.long() if not t.is_floating_point() else t, w,
+                                           options["ignore_index"], options["reduction"],
+                                           options["label_smoothing"], options["z_loss"], False)
+
+    name = (f"cross_entropy {tuple(shape)} {dtype} {'probabilities' if probs else f'{target.dtype} ignored {ignored}'} "
+            f"weight={weights is not None} {options} grads of {grad_of}")
+    return name, fused, reference, [logits, target], grad_of
+
+
+def pointwise_shape(rng):
+    shape = rng.choice([(), (0,), (1,), (7,), (5, 1), (33, 100), (4, 3, 9), (257, 1001), (64, 4099)])
+    return shape
+
+
+def mse_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    shape = pointwise_shape(rng)
+    scale = rng.choice([0.01, 1.0, 100.0])
+    x, y = (torch.randn(shape, device=device).mul(scale).to(dtype) for _ in range(2))
+    reduction = rng.choice(["mean", "sum", "none"])
+    grad_of = rng.choice([(0,), (1,), (0, 1)])
+    name = f"mse_loss {shape} {dtype} scale {scale} {reduction} grads of {grad_of}"
+    return (name, lambda a, b: losses.mse_loss(a, b, reduction=reduction),
+            lambda a, b: F.mse_loss(a, b, reduction=reduction), [x, y], grad_of)
+
+
+def kl_div_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    shape = pointwise_shape(rng)
+    log_input, log_target = rng.random() < 0.5, rng.random() < 0.5
+    last = -1 if len(shape) else 0
+    p = torch.randn(shape, device=device).mul(rng.choice([0.5, 4.0])).softmax(last) if shape else torch.rand(())
+    q = torch.randn(shape, device=device).mul(rng.choice([0.5, 4.0])).softmax(last) if shape else torch.rand(())
+    p, q = p.to(device), q.to(device)
+    if rng.random() < 0.2 and p.numel() > 1:  # zeros in the target: xlogy's special case
+        q = q.masked_fill(torch.rand(shape, device=device) < 0.3, 0.0)
+    input = (p.log() if log_input else p).to(dtype)
+    target = (q.log() if log_target else q).to(dtype)
+    reduction = rng.choice(["batchmean", "sum", "none"])
+    grad_of = rng.choice([(0,), (1,), (0, 1)])
+
+    def reference(a, b):
+        return F.kl_div(a if log_input else a.log(), b, reduction=reduction, log_target=log_target)
+
+    name = f"kl_div {shape} {dtype} log_input={log_input} log_target={log_target} {reduction} grads of {grad_of}"
+    return (name, lambda a, b: losses.kl_div(a, b, reduction=reduction, log_target=log_target, log_input=log_input),
+            reference, [input, target], grad_of)
+
+
+CASE_MAKERS = {"cross_entropy": cross_entropy_case, "mse_loss": mse_case, "kl_div": kl_div_case}
+
+
+@contextlib.contextmanager
+def torch_fallback_allowed(inputs):
+    """Empty tensors run torch's code by design: strict mode is off for them."""
+    if all(t.numel() > 0 for t in inputs[:1]):
+        yield
+        return
+    strict = os.environ.pop("FUSED_LOSSES_STRICT", None)
+    try:
+        yield
+    finally:
+        if strict is not None:
+            os.environ["FUSED_LOSSES_STRICT"] = strict
+
+
+# Element by element, where norms say nothing (NaN, inf, an empty batch) and for the CPU
+# models (Python formulas, not the kernels' arithmetic): each element within rtol (of itself
+# or of its tensor's largest finite magnitude) of float64's, or of torch's in the same dtype
+# (which may overflow to inf, or hold NaN, where float64 does not); NaN only where one has it.
+ELEMENTWISE_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def check_elementwise(name, fused, reference, inputs, grad_of, truth):
+    ours = loss_and_grads(fused, inputs, grad_of)
+    eager = loss_and_grads(reference, inputs, grad_of)
+    rtol = ELEMENTWISE_RTOL[inputs[0].dtype]
+    names = ["loss"] + [f"grad of input {i}" for i in grad_of]
+    for what, mine, exact, theirs in zip(names, [ours[0], *ours[1]], [truth[0], *truth[1]], [eager[0], *eager[1]]):
+        assert mine.shape == exact.shape and mine.dtype == theirs.dtype, (name, what)
+        finite = exact[torch.isfinite(exact)]
+        tiny = torch.finfo(inputs[0].dtype).smallest_normal * torch.finfo(inputs[0].dtype).eps  # a subnormal step
+        atol = max(rtol * (finite.abs().max().item() if finite.numel() else 0.0), tiny)
+        mine = mine.double()
+        close = (torch.isclose(mine, exact, rtol=rtol, atol=atol, equal_nan=True) |
+                 torch.isclose(mine, theirs.double(), rtol=rtol, atol=atol, equal_nan=True))
+        assert close.all(), (f"{name}: {what}: {int((~close).sum())} of {close.numel()} elements off, e.g. "
+                             f"ours {mine[~close][:3].tolist()} float64 {exact[~close][:3].tolist()} "
+                             f"torch {theirs.double()[~close][:3].tolist()}")
+
+
+def check_case(name, fused, reference, inputs, grad_of, device):
+    with torch_fallback_allowed(inputs):
+        truth = loss_and_grads(reference, [t.double() if t.is_floating_point() else t for t in inputs], grad_of)
+        finite = all(torch.isfinite(t).all() for t in [truth[0], *truth[1]])
+        if device == "cuda" and finite and inputs[0].numel() > 0:
+            check_against_float64(fused, reference, inputs, grad_of, case=name)
+        else:
+            check_elementwise(name, fused, reference, inputs, grad_of, truth)
+
+
+def run_chunk(loss, chunk, device):
+    for index in range(chunk * CASES // CHUNKS, (chunk + 1) * CASES // CHUNKS):
+        rng = random.Random(f"{SEED} {loss} {index}")
+        torch.manual_seed(rng.randrange(2**31))
+        name, fused, reference, inputs, grad_of = CASE_MAKERS[loss](rng, device)
+        try:
+            check_case(name, fused, reference, inputs, grad_of, device)
+        except Exception as error:
+            raise AssertionError(f"case {index} (seed {SEED}): {name}") from error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+@pytest.mark.parametrize("loss", list(CASE_MAKERS))
+def test_random_cases_match_torch(loss, chunk):
+    run_chunk(loss, chunk, "cuda")
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+@pytest.mark.parametrize("loss", list(CASE_MAKERS))
+def test_random_cases_through_the_cpu_models(loss, chunk, kernels_modelled_on_cpu):
+    run_chunk(loss, chunk, "cpu")
