@@ -27,9 +27,10 @@ from torch.autograd import forward_ad
 from torch.nn import _reduction
 
 if __package__:  # copied into a project as a package: from fused_losses import losses
-    from . import loader
+    from . import loader, vocab_parallel
 else:  # a plain folder on sys.path, or a notebook's working directory: import losses
     import loader
+    import vocab_parallel
 
 __all__ = ["cross_entropy", "kl_div", "mse_loss", "CrossEntropyLoss", "KLDivLoss", "MSELoss"]
 
@@ -608,8 +609,8 @@ def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_s
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   size_average=None, ignore_index: int = -100, reduce=None, reduction: str = "mean",
                   label_smoothing: float = 0.0, *, z_loss: float = 0.0, return_lse: bool = False,
-                  inplace_backward: bool = False):
-    """F.cross_entropy(input, target, ...), fused, plus three options of our own.
+                  inplace_backward: bool = False, process_group=None, vocab_start: int | None = None):
+    """F.cross_entropy(input, target, ...), fused, plus options of our own.
 
     Input (C), (N, C) or (N, C, d1, ...), classes in dim 1 as in torch. target: class
     indices (int64 or int32; shape (), (N) or (N, d1, ...)) or class probabilities
@@ -626,15 +627,28 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         and autograd raises if anything still needs its old values. input may be a view
         (logits.view(-1, C)) but not a leaf tensor that requires grad, nor a view of one.
         On CPU this option changes nothing.
+    process_group: a torch.distributed group among which the classes are split
+        (vocab_parallel.py): input and weight hold this rank's contiguous shard of the
+        classes, probability targets too; class-index targets are global ids. The
+        shard's first class is vocab_start, by default rank * (its number of classes).
+        The loss equals cross_entropy of the gathered logits, and the gradient is this
+        shard's part of it. Not with inplace_backward.
     """
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction, ("none", "mean", "sum"))
     _check_same_device(input, target, weight)
     _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
     if inplace_backward:
+        if process_group is not None:
+            raise ValueError("inplace_backward is not supported with process_group")
         _check_inplace_backward(input, reduction)
     (input, target, weight), float_loss = _autocast_operands(reduction, input, target, weight)
-    why_not = _cross_entropy_fusable(input, target, weight)
+    if process_group is not None:
+        if input.is_cuda:
+            _check_fallback_allowed("cross_entropy", "process_group runs torch ops (no fused kernel yet)", input)
+        why_not = None
+    else:
+        why_not = _cross_entropy_fusable(input, target, weight)
     if why_not is not None:
         _check_fallback_allowed("cross_entropy", why_not, input)
         return _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
@@ -654,7 +668,10 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
     want_grads = want_grad_logits or want_grad_target
     arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
-    if _use_python_function(want_grads, reduction):
+    if process_group is not None:
+        loss, lse = vocab_parallel.cross_entropy_rows(logits, rows_target, weight, *arguments, process_group,
+                                                      vocab_start)
+    elif _use_python_function(want_grads, reduction):
         outputs = _CrossEntropyFunction.apply(logits, rows_target, weight,
                                               (*arguments, want_grad_logits, want_grad_target, return_lse))
         loss, lse = outputs if return_lse else (outputs, None)
@@ -684,16 +701,19 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
-    """nn.CrossEntropyLoss on the fused kernel; takes cross_entropy's z_loss, return_lse
-    and inplace_backward as keyword arguments too."""
+    """nn.CrossEntropyLoss on the fused kernel; takes cross_entropy's z_loss, return_lse,
+    inplace_backward, process_group and vocab_start as keyword arguments too."""
 
     def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
                  reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
-                 return_lse: bool = False, inplace_backward: bool = False) -> None:
+                 return_lse: bool = False, inplace_backward: bool = False, process_group=None,
+                 vocab_start: int | None = None) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         self.z_loss, self.return_lse, self.inplace_backward = z_loss, return_lse, inplace_backward
+        self.process_group, self.vocab_start = process_group, vocab_start
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
                              reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                             return_lse=self.return_lse, inplace_backward=self.inplace_backward)
+                             return_lse=self.return_lse, inplace_backward=self.inplace_backward,
+                             process_group=self.process_group, vocab_start=self.vocab_start)

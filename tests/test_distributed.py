@@ -1,0 +1,161 @@
+"""Vocabulary-parallel cross-entropy (losses.cross_entropy(..., process_group=...)): 2
+processes, each holding a shard of the classes, against cross_entropy of the whole logits in
+float64 (loss, lse, and each rank's part of the gradients). On CPU with gloo (CI) and on 2
+GPUs with NCCL."""
+import contextlib
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import losses
+import vocab_parallel
+
+WORLD = 2
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def shard_bounds(vocab, equal):
+    """Each rank's [start, end): equal shards, or unequal ones (rank 0 holds about a third)."""
+    cut = vocab // WORLD if equal else vocab // 3
+    return [(0, cut), (cut, vocab)]
+
+
+def make_case(index, device):
+    """A random case, the same on every rank (seeded by the case index)."""
+    rng = random.Random(index)
+    torch.manual_seed(index)
+    equal = rng.random() < 0.5
+    vocab = rng.choice([2, 7, 64, 1000]) * (WORLD if equal else 1) + (0 if equal else rng.choice([0, 1]))
+    vocab = max(vocab, 3)
+    layout = rng.choice(["rows", "rows", "unbatched", "(N, C, d)"])
+    rows = rng.choice([1, 5, 33])
+    shape = {"rows": (rows, vocab), "unbatched": (vocab,), "(N, C, d)": (rows, vocab, 2)}[layout]
+    dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
+    logits = (torch.randn(shape) * rng.choice([1.0, 6.0])).to(dtype).to(device)
+    probs = rng.random() < 0.25
+    if probs:
+        target = torch.randn(shape).softmax(1 if len(shape) > 1 else 0).to(dtype).to(device)
+        ignore_index = -100
+    else:
+        ignore_index = rng.choice([-100, 0, vocab - 1])
+        target_shape = {"rows": (rows,), "unbatched": (), "(N, C, d)": (rows, 2)}[layout]
+        target = torch.randint(0, vocab, target_shape)
+        if rng.random() < 0.5:
+            target = target.masked_fill(torch.rand(target_shape) < 0.3, ignore_index)
+        target = target.to(rng.choice([torch.int64, torch.int32])).to(device)
+    weight = torch.rand(vocab).add(0.5).to(dtype).to(device) if rng.random() < 0.4 else None
+    options = dict(reduction=rng.choice(["mean", "sum", "none"]), ignore_index=ignore_index,
+                   label_smoothing=rng.choice([0.0, 0.0, 0.2]), z_loss=rng.choice([0.0, 1e-2]))
+    return logits, target, weight, options, shard_bounds(vocab, equal), equal
+
+
+def slice_classes(tensor, start, end):
+    return tensor.narrow(1 if tensor.dim() > 1 else 0, start, end - start)
+
+
+def check_case(index, rank, group, device):
+    logits, target, weight, options, bounds, equal = make_case(index, device)
+    start, end = bounds[rank]
+    probs = target.is_floating_point()
+    # The truth: the whole logits in float64, by torch's formula (plus the z-loss and lse).
+    full = logits.double().requires_grad_()
+    full_target = target.double().requires_grad_() if probs else target.long()
+    truth, truth_lse = losses._torch_cross_entropy(full, full_target, None if weight is None else weight.double(),
+                                                   options["ignore_index"], options["reduction"],
+                                                   options["label_smoothing"], options["z_loss"], True)
+    grad_output = torch.rand_like(truth) + 0.5
+    truth.backward(grad_output)
+    # Ours: this rank's shard.
+    shard = slice_classes(logits, start, end).detach().requires_grad_()
+    shard_target = slice_classes(target, start, end).detach().requires_grad_() if probs else target
+    shard_weight = None if weight is None else weight[start:end]
+    loss, lse = losses.cross_entropy(shard, shard_target, shard_weight, **options, return_lse=True,
+                                     process_group=group, vocab_start=None if equal else start)
+    loss.backward(grad_output.to(loss.dtype))
+    tolerance = TOLERANCE[logits.dtype]
+    case = f"case {index}: {tuple(logits.shape)} {logits.dtype} shards {bounds} probabilities={probs} {options}"
+    torch.testing.assert_close(loss.double(), truth.detach(), rtol=tolerance, atol=tolerance, equal_nan=True, msg=lambda m: f"{case}: loss: {m}")
+    torch.testing.assert_close(lse.double(), truth_lse, rtol=tolerance, atol=tolerance, equal_nan=True, msg=lambda m: f"{case}: lse: {m}")
+    scale = full.grad.abs().max().item()
+    torch.testing.assert_close(shard.grad.double(), slice_classes(full.grad, start, end), rtol=tolerance,
+                               atol=tolerance * scale, equal_nan=True, msg=lambda m: f"{case}: grad of input: {m}")
+    if probs:
+        torch.testing.assert_close(shard_target.grad.double(), slice_classes(full_target.grad, start, end),
+                                   rtol=tolerance, atol=tolerance * full_target.grad.abs().max().item(), equal_nan=True,
+                                   msg=lambda m: f"{case}: grad of target: {m}")
+    return loss.detach()
+
+
+def check_errors_and_edges(rank, group, device):
+    logits = torch.randn(4, 10, device=device)
+    # Unequal shards without vocab_start: rank * C_r does not tile the vocabulary. A layout
+    # new to the rank raises; one it saw tile before (another rank's changed) gives NaN.
+    shard = logits[:, :3] if rank == 0 else logits[:, 3:]
+    target = torch.zeros(4, dtype=torch.long, device=device)
+    vocab_parallel._checked_layouts.clear()
+    with pytest.raises(ValueError, match="do not tile"):
+        losses.cross_entropy(shard, target, process_group=group)
+    if rank == 1:
+        vocab_parallel._checked_layouts.add((id(group), 7, 7, 14))
+    with pytest.raises(ValueError, match="do not tile") if rank == 0 else contextlib.nullcontext():
+        loss = losses.cross_entropy(shard, target, process_group=group)
+        assert torch.isnan(loss)
+    # A target outside [0, V): NaN for its row, as on one GPU; the other rows as ever.
+    target = torch.tensor([1, 10, 7, -100], device=device)
+    rows = losses.cross_entropy(logits[:, 5 * rank:5 * rank + 5], target, reduction="none", process_group=group)
+    expected = torch.nn.functional.cross_entropy(logits, target.clamp(max=9), reduction="none")
+    assert torch.isnan(rows[1]) and not torch.isnan(rows[[0, 2, 3]]).any()
+    torch.testing.assert_close(rows[[0, 2, 3]], expected[[0, 2, 3]])
+    with pytest.raises(ValueError, match="inplace_backward is not supported with process_group"):
+        losses.cross_entropy(logits[:, :5].clone(), target, inplace_backward=True, process_group=group)
+
+
+def worker(rank, backend, store_path, cases, failures):
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        os.environ.pop("FUSED_LOSSES_STRICT", None)  # the local work runs torch ops on CUDA too, for now
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    try:
+        group = dist.group.WORLD
+        for index in cases:
+            first = check_case(index, rank, group, device)
+            torch.testing.assert_close(check_case(index, rank, group, device), first, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"case {index}: not the same bits on a second run: {m}")
+        check_errors_and_edges(rank, group, device)
+    except BaseException as error:  # reported by the parent, with the rank
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_ranks(backend, tmp_path, cases):
+    context = mp.get_context("spawn")
+    failures = context.SimpleQueue()
+    processes = [context.Process(target=worker, args=(rank, backend, str(tmp_path / "store"), cases, failures))
+                 for rank in range(WORLD)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=600)
+    messages = []
+    while not failures.empty():
+        messages.append(failures.get())
+    assert not messages, "\n".join(messages)
+    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_vocab_parallel_on_cpu_with_gloo(tmp_path):
+    run_on_two_ranks("gloo", tmp_path, range(120))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+def test_vocab_parallel_on_two_gpus_with_nccl(tmp_path):
+    run_on_two_ranks("nccl", tmp_path, range(120))

@@ -1,0 +1,162 @@
+"""Cross-entropy over a vocabulary split among the ranks of a torch.distributed group
+(losses.cross_entropy(..., process_group=group)).
+
+Each rank holds a contiguous shard of the classes: logits (rows, C_r) and weight (C_r,);
+class-index targets are global ids, probability targets are sharded like the logits. The
+loss, the lse and the gradient of this rank's shard equal single-device cross_entropy on the
+gathered logits. Per call two all-reduces of (rows,)-sized tensors and no host sync: the
+row maxima (MAX), then every row's sums packed together (SUM): the exp sum, the target's
+logit and weight, the smoothing sums and how many ranks own the target. The gradient is
+computed in the forward, for the local shard only, and scaled by grad_output in backward,
+as the fused losses do. The result is deterministic for a fixed group.
+
+Shards tile [0, V) in any rank order. A rank's first class is `vocab_start`, by default
+rank * C_r (equal shards). The layout is checked from values the all-reduces carry anyway:
+the first call with a new layout (as this rank sees it) reads them back once (one host sync)
+and raises if the shards do not tile [0, V); a later call whose shards do not tile gives NaN.
+
+The local work runs in torch ops, in float32 (float64 for float64 logits), on any device;
+the fused CUDA kernel for it is still to come, so on CUDA tensors FUSED_LOSSES_STRICT=1
+makes this raise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Layouts checked by this process: (group, C_r, vocab_start, V) as seen by this rank.
+_checked_layouts: set = set()
+
+
+def shard_start(group, local_classes: int, vocab_start: int | None) -> int:
+    return int(vocab_start) if vocab_start is not None else dist.get_rank(group) * local_classes
+
+
+def check_group_device(group, logits: torch.Tensor) -> None:
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl" and not logits.is_cuda:
+        raise ValueError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
+
+
+def _check_layout(group, local_classes, start, layout_sums, ends) -> None:
+    """Raises unless the shards tile [0, V): widths add up to V and the class ids they cover
+    add up to V (V - 1) / 2 (the first read of a layout is a host sync; then cached)."""
+    vocab = int(ends[0].item())
+    key = (id(group), local_classes, start, vocab)
+    if key in _checked_layouts:
+        return
+    width_sum, id_sum, lowest = layout_sums[0].item(), layout_sums[1].item(), -ends[1].item()
+    if width_sum != vocab or id_sum != vocab * (vocab - 1) / 2 or lowest != 0:
+        raise ValueError(
+            f"cross_entropy: the vocabulary shards of the process group do not tile [0, V): this rank's shard "
+            f"is classes [{start}, {start + local_classes}), the shards end at V = {vocab} but their widths add "
+            f"up to {int(width_sum)} (the lowest first class is {int(lowest)}). Shards of unequal width need "
+            f"vocab_start= (each rank's first class id); without it a rank's first class is rank * C_r.")
+    _checked_layouts.add(key)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """(rows, C_r) logits; target (rows,) global class ids or (rows, C_r) probabilities.
+    Returns (loss, lse)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, options):
+        group, start, ignore_index, reduction, float_loss, label_smoothing, z_loss = options
+        probs = target.is_floating_point()
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        x = logits.to(acc)
+        rows, local = x.shape
+        w = weight.to(acc) if weight is not None else torch.ones(local, dtype=acc, device=x.device)
+
+        # All-reduce 1 (MAX): the row maxima, the vocabulary's end V and minus the lowest first class.
+        maxima = torch.cat([x.amax(1), x.new_tensor([start + local, -start])])
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        row_max, ends = maxima[:rows], maxima[rows:]
+        vocab = ends[0]
+        e = torch.exp(x - row_max[:, None])
+        share = label_smoothing / vocab  # eps / V
+        if probs:
+            y = target.to(acc)
+            wy = w * y
+            local_sums = [e.sum(1), wy.sum(1), (wy * x).sum(1), w.sum().expand(rows), (w * x).sum(1)]
+        else:
+            index = target.long() - start
+            owned = (index >= 0) & (index < local) & (target != ignore_index)
+            index = index.clamp(0, local - 1)
+            target_logit = torch.where(owned, x.gather(1, index[:, None])[:, 0], 0.0)
+            target_weight = torch.where(owned, w[index], 0.0)
+            local_sums = [e.sum(1), target_logit, target_weight, owned.to(acc), w.sum().expand(rows), (w * x).sum(1)]
+        # All-reduce 2 (SUM): the rows' sums, and this shard's width and the sum of its class ids.
+        layout = x.new_tensor([local, start * local + local * (local - 1) / 2])
+        sums = torch.cat([torch.stack(local_sums, 1).reshape(-1), layout])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        _check_layout(group, local, start, sums[-2:], ends)
+        columns = sums[:-2].reshape(rows, len(local_sums)).unbind(1)
+        # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
+        tiled = (sums[-2] == vocab) & (sums[-1] == vocab * (vocab - 1) / 2) & (ends[1] == 0)
+        lse = torch.where(tiled, row_max + columns[0].log(), float("nan"))
+        weights_sum, weighted_logits = columns[-2], columns[-1]  # sum_c w_c, sum_c w_c x_c
+        p = e / columns[0][:, None]
+
+        if probs:
+            _, wy_sum, wyx_sum = columns[:3]
+            spread_weight = (1 - label_smoothing) * wy_sum + share * weights_sum  # sum_c w_c y'_c
+            spread_logits = (1 - label_smoothing) * wyx_sum + share * weighted_logits
+            ce = spread_weight * lse - spread_logits
+            counted = torch.ones(rows, dtype=acc, device=x.device)
+            ce_divisor = torch.tensor(float(rows), dtype=acc, device=x.device)
+            grad = p * spread_weight[:, None] - w * ((1 - label_smoothing) * y + share)
+            grad_y = (1 - label_smoothing) * w * (lse[:, None] - x)
+        else:
+            _, target_logit, target_weight, owners = columns[:4]
+            ignored = target == ignore_index
+            counted = (~ignored).to(acc)
+            # No rank owns a target outside [0, V): NaN for its row, as on one GPU.
+            valid = ignored | (owners > 0)
+            ce = (1 - label_smoothing) * target_weight * (lse - target_logit) + share * (weights_sum * lse - weighted_logits)
+            ce = torch.where(ignored, 0.0, torch.where(valid, ce, float("nan")))
+            ce_divisor = target_weight.sum()
+            one_hot = torch.zeros_like(x).scatter_(1, index[:, None], owned.to(acc)[:, None])
+            grad = (p * ((1 - label_smoothing) * target_weight + share * weights_sum)[:, None] - share * w
+                    - (1 - label_smoothing) * target_weight[:, None] * one_hot)
+            grad = torch.where(valid[:, None], grad, float("nan"))
+            grad_y = None
+        z = z_loss * lse.square() * counted
+        if reduction == "none":
+            ce_scale = z_scale = 1.0
+            loss = ce + z
+        elif reduction == "sum":
+            ce_scale = z_scale = 1.0
+            loss = ce.sum() + z.sum()
+        else:  # mean; z over the counted rows (none counted: the ce term is NaN, z adds 0)
+            ce_scale, z_scale = 1 / ce_divisor, 1 / counted.sum().clamp_min(1)
+            loss = ce.sum() * ce_scale + z.sum() * z_scale
+        grad = grad * ce_scale
+        if z_loss:
+            grad = grad + (2 * z_loss * z_scale) * lse[:, None] * p
+        # An ignored row's gradient is 0, as torch's, whatever the scale (1 / 0 with every row ignored).
+        grad = torch.where(counted[:, None] > 0, grad, 0.0)
+        ctx.reduction = reduction
+        ctx.save_for_backward(grad.to(logits.dtype) if ctx.needs_input_grad[0] else None,
+                              (grad_y * ce_scale).to(target.dtype) if probs and ctx.needs_input_grad[1] else None)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return loss.to(torch.float32 if float_loss else logits.dtype), lse
+
+    @staticmethod
+    def backward(ctx, grad_output, _):
+        grad_logits, grad_target = ctx.saved_tensors
+        if grad_output is None:
+            return None, None, None, None
+        scale = grad_output[:, None] if ctx.reduction == "none" else grad_output
+        return (None if grad_logits is None else grad_logits * scale.to(grad_logits.dtype),
+                None if grad_target is None else grad_target * scale.to(grad_target.dtype), None, None)
+
+
+def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, group,
+                       vocab_start):
+    """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
+    check_group_device(group, logits)
+    start = shard_start(group, logits.shape[1], vocab_start)
+    options = (group, start, ignore_index, reduction, float_loss, label_smoothing, z_loss)
+    return _VocabParallelCrossEntropy.apply(logits, target, weight, options)
