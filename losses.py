@@ -140,17 +140,23 @@ def _autocast_operands(reduction: str, *operands):
     return tuple(t.float() if t is not None and t.dtype in LOW_PRECISION else t for t in operands), False
 
 
-def _check_no_create_graph() -> None:
+def _create_graph() -> bool:
     """In backward: grad mode is on there only for backward(create_graph=True), whose
-    gradients are to be differentiated again. Ours have no graph of their own (the kernel
-    wrote them), so they would count as constants there: a silently wrong second derivative
-    (MAML, gradient penalties). (@once_differentiable does not catch it: it only looks at
-    whether grad_output requires grad.) Under torch.compile, AOTAutograd refuses double
-    backward itself."""
-    if torch.is_grad_enabled() and not is_compiling():
-        raise RuntimeError("the fused losses have no second derivative: backward(create_graph=True) or "
-                           "torch.autograd.grad(..., create_graph=True) through one would treat its gradient as "
-                           "a constant; use torch.nn.functional's loss where the gradient is differentiated again")
+    gradients are to be differentiated again. The kernels' gradients have no graph of their
+    own; there _gradient_graph recomputes them by torch's formula instead. (Under
+    torch.compile, AOTAutograd refuses double backward itself.)"""
+    return torch.is_grad_enabled() and not is_compiling()
+
+
+def _gradient_graph(formula, operands, wants, grad_output):
+    """The gradients of formula(*operands) (torch's formula of the loss) with respect to the
+    operands that wants marks, from grad_output, as a graph: for backward(create_graph=True)
+    alone, so the usual backward never pays for it. None for the others."""
+    wanted = [operand for operand, want in zip(operands, wants) if want]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(formula(*operands), wanted, grad_output, create_graph=True,
+                                         allow_unused=True))
+    return tuple(next(grads) if want else None for want in wants)
 
 
 def _backward_from_saved_grads(ctx, grad_output: torch.Tensor):
@@ -322,7 +328,7 @@ class _PointwiseLossFunction(torch.autograd.Function):
         loss, grad_input, grad_target = _ops(kernel, input).forward(
             input, target, REDUCTION_CODES[reduction], scale, float_loss, want_grad_input, want_grad_target,
             *op_args)
-        ctx.kernel, ctx.reduction, ctx.op_args = kernel, reduction, op_args
+        ctx.kernel, ctx.reduction, ctx.op_args, ctx.scale, ctx.float_loss = kernel, reduction, op_args, scale, float_loss
         ctx.want_grads = (want_grad_input, want_grad_target)
         if reduction == "none":
             ctx.save_for_backward(input, target)
@@ -333,7 +339,9 @@ class _PointwiseLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        _check_no_create_graph()
+        if ctx.reduction == "none" and _create_graph():
+            formula = _pointwise_formula(ctx.kernel, ctx.reduction, ctx.scale, ctx.float_loss, ctx.op_args)
+            return (*_gradient_graph(formula, ctx.saved_tensors, ctx.want_grads, grad_output), None)
         if ctx.reduction == "none":
             input, target = ctx.saved_tensors
             grad_input, grad_target = _ops(ctx.kernel, input).backward(
@@ -373,7 +381,33 @@ def _pointwise_operands(input: torch.Tensor, target: torch.Tensor):
     return input, target
 
 
-def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args):
+def _pointwise_formula(kernel: str, reduction: str, scale: float, float_loss: bool, op_args):
+    """The loss by torch's formula, as the kernel computes it from its operands."""
+    def formula(input, target):
+        if float_loss:
+            input, target = input.float(), target.float()
+        if kernel == "mse":
+            per_element = F.mse_loss(input, target, reduction="none")
+        else:
+            log_input, log_target = op_args
+            per_element = F.kl_div(input if log_input else input.log(), target, reduction="none", log_target=log_target)
+        return per_element if reduction == "none" else per_element.sum() * scale
+    return formula
+
+
+def _pointwise_gradient_graph(options, input, target, grad_output):
+    """For the eager node (kernels/autograd_node.h) under create_graph=True: the gradients
+    from the operands as the user passed them, through the forward's promotion, broadcast
+    and casts (options: what the forward saw). The node is given (this function, options):
+    nothing built per call but the tuple, and no tensor held."""
+    kernel, reduction, scale, float_loss, op_args, dtypes, wants = options
+    operands = tuple(operand.to(dtype) for operand, dtype in zip(_pointwise_operands(input, target), dtypes))
+    return _gradient_graph(_pointwise_formula(kernel, reduction, scale, float_loss, op_args), operands, wants,
+                           grad_output)
+
+
+def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_args, user_operands):
+    """user_operands: input and target as the user passed them (before _pointwise_operands)."""
     (input, target), float_loss = _autocast_operands(reduction, input, target)
     want_grad_input, want_grad_target = _wants_grad(input), _wants_grad(target)
     want_grads = want_grad_input or want_grad_target
@@ -385,7 +419,9 @@ def _pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op
                                                 want_grad_input, want_grad_target, *op_args)
     if not want_grads:  # no graph to record
         return loss
-    return ops.attach_saved_gradients(loss, input, grad_input, target, grad_target)
+    differentiable = (_pointwise_gradient_graph, (kernel, reduction, scale, float_loss, op_args,
+                                                  (input.dtype, target.dtype), (want_grad_input, want_grad_target)))
+    return ops.attach_saved_gradients(loss, input, grad_input, target, grad_target, *user_operands, differentiable)
 
 
 # ----------------------------------------------------------------------------------
@@ -415,6 +451,7 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=
     why_not = _pointwise_fusable(input, target)
     if why_not is None:
         batch_size = input.shape[0] if input.dim() != 0 else 1  # torch's, before broadcasting
+        user_operands = (input, target)
         input, target = _pointwise_operands(input, target)
         if reduction == "mean":
             warnings.warn(KL_MEAN_WARNING, stacklevel=2)
@@ -423,7 +460,7 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=
             scale = 1.0 / batch_size
         else:
             scale = 1.0
-        return _pointwise_loss("kl_div", input, target, reduction, scale, (log_input, log_target))
+        return _pointwise_loss("kl_div", input, target, reduction, scale, (log_input, log_target), user_operands)
     _check_fallback_allowed("kl_div", why_not, input)
     return F.kl_div(input if log_input else torch.log(input), target, reduction=reduction, log_target=log_target)
 
@@ -456,9 +493,10 @@ def mse_loss(input: torch.Tensor, target: torch.Tensor, size_average=None, reduc
             warnings.warn(f"Using a target size ({target.size()}) that is different to the input size "
                           f"({input.size()}). This will likely lead to incorrect results due to broadcasting. "
                           "Please ensure they have the same size.", stacklevel=2)
+        user_operands = (input, target)
         input, target = _pointwise_operands(input, target)
         scale = 1.0 / input.numel() if reduction == "mean" else 1.0
-        return _pointwise_loss("mse", input, target, reduction, scale, ())
+        return _pointwise_loss("mse", input, target, reduction, scale, (), user_operands)
     _check_fallback_allowed("mse_loss", why_not, input)
     if weight is not None:
         return F.mse_loss(input, target, reduction=reduction, weight=weight)
@@ -505,7 +543,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output, *unused_grads):
         if grad_output is None:  # the loss was not used
             return None, None, None, None
-        _check_no_create_graph()
+        if ctx.reduction == "none" and _create_graph():
+            logits, target, weight = ctx.saved_tensors
+            formula = _cross_entropy_formula(weight, ctx.arguments[0], "none", False, *ctx.arguments[1:])
+            return (*_gradient_graph(formula, (logits, target), ctx.want_grads, grad_output), None, None)
         if ctx.reduction == "none":
             logits, target, weight = ctx.saved_tensors
             grad_logits, grad_target = _ops(ctx.kernel, logits).backward(
@@ -515,6 +556,40 @@ class _CrossEntropyFunction(torch.autograd.Function):
         else:
             grad_logits, grad_target = _backward_from_saved_grads(ctx, grad_output)
         return grad_logits, grad_target, None, None
+
+
+def _cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, probs: bool):
+    """The kernel takes rows of classes: (C) -> (1, C); (N, C, d...) -> (N * d..., C), and
+    probabilities alike. The movedim copy is autograd-tracked, so the gradient flows back to
+    the original layout."""
+    dim = input.dim()
+    if dim == 2:
+        return input, target
+    if dim == 1:
+        return input.unsqueeze(0), (target.unsqueeze(0) if probs else target.reshape(1))
+    logits = input.movedim(1, -1).reshape(-1, input.shape[1])
+    return logits, (target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1))
+
+
+def _cross_entropy_formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_loss):
+    """The loss by torch's formula (plus the z-loss), as the kernel computes it from its rows."""
+    def formula(logits, target):
+        w = weight
+        if float_loss:
+            logits, w = logits.float(), None if weight is None else weight.float()
+            target = target.float() if target.is_floating_point() else target
+        return _torch_cross_entropy(logits, target, w, ignore_index, reduction, label_smoothing, z_loss, False)
+    return formula
+
+
+def _cross_entropy_gradient_graph(options, input, target, grad_output):
+    """For the eager node under create_graph=True, as _pointwise_gradient_graph: options
+    holds the (C,) weight, no other tensor."""
+    weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, dtypes, wants = options
+    probs = target.is_floating_point()
+    operands = _cross_entropy_rows(input.to(dtypes[0]), target.to(dtypes[1]) if probs else target, probs)
+    formula = _cross_entropy_formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_loss)
+    return _gradient_graph(formula, operands, wants, grad_output)
 
 
 def _check_inplace_backward(input: torch.Tensor, reduction: str) -> None:
@@ -642,6 +717,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         if process_group is not None:
             raise ValueError("inplace_backward is not supported with process_group")
         _check_inplace_backward(input, reduction)
+    user_operands = (input, target)
     (input, target, weight), float_loss = _autocast_operands(reduction, input, target, weight)
     if process_group is not None:
         if input.is_cuda:
@@ -653,18 +729,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         _check_fallback_allowed("cross_entropy", why_not, input)
         return _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                     return_lse)
-    # The kernel takes rows of classes: (C) -> (1, C); (N, C, d...) -> (N * d..., C), and
-    # probabilities alike. The movedim copy is autograd-tracked, so the gradient flows
-    # back to the original layout.
     probs = target.is_floating_point()
     dim = input.dim()
-    if dim == 2:
-        logits, rows_target = input, target
-    elif dim == 1:
-        logits, rows_target = input.unsqueeze(0), (target.unsqueeze(0) if probs else target.reshape(1))
-    else:
-        logits = input.movedim(1, -1).reshape(-1, input.shape[1])
-        rows_target = target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1)
+    logits, rows_target = _cross_entropy_rows(input, target, probs)
     want_grad_logits, want_grad_target = _wants_grad(input), probs and _wants_grad(target)
     want_grads = want_grad_logits or want_grad_target
     arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
@@ -688,7 +755,10 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         if inplace:
             _mark_overwritten(logits)
         if want_grads:
-            loss = ops.attach_saved_gradients(loss, logits, grad_logits, rows_target, grad_target)
+            differentiable = None if inplace else (_cross_entropy_gradient_graph, (
+                weight, *arguments, (input.dtype, target.dtype), (want_grad_logits, want_grad_target)))
+            loss = ops.attach_saved_gradients(loss, logits, grad_logits, rows_target, grad_target, *user_operands,
+                                              differentiable)
     if dim == 1 and reduction == "mean" and not probs and not label_smoothing and logits.is_cuda:
         # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0.
         loss = loss.masked_fill(rows_target[0] == ignore_index, 0)

@@ -6,6 +6,10 @@
 // apply, and its backward, which runs Python on autograd's device thread (and takes the
 // GIL there). torch.compile cannot trace this node; under it losses.py uses its Python
 // Functions, whose graphs are functional.
+//
+// backward(create_graph=True) alone calls back into Python (losses.py's _gradient_graph):
+// the gradient is recomputed by torch's formula from the loss's operands, which the node
+// holds weakly, so that the usual backward keeps nothing alive.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,7 +18,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -30,15 +36,25 @@ namespace fused_losses {
 struct ScaleSavedGradients : torch::autograd::Node {
   torch::autograd::variable_list grads;  // one per next edge; undefined where none is wanted
   bool handed_on = false;                // grads are gone: a later backward has nothing to give
+  // For create_graph=True: the operands as the user passed them, held weakly, their versions
+  // then, and differentiable = (function, options): function(options, input, target,
+  // grad_output) -> (grad, grad), in Python.
+  using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::optional<WeakTensor> input_ref, target_ref;
+  int64_t input_version = 0, target_version = 0;
+  PyObject* differentiable = nullptr;  // owned
+
+  ~ScaleSavedGradients() override {
+    // Autograd may free a node on a thread without the GIL, or after Python is gone.
+    if (differentiable != nullptr && Py_IsInitialized()) {
+      pybind11::gil_scoped_acquire gil;
+      Py_DECREF(differentiable);
+    }
+  }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override {
-    // Grad mode is on in backward only for create_graph=True, whose gradients are to be
-    // differentiated again; these have no graph (the kernel wrote them), so a second
-    // derivative through them would silently treat them as constants.
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "the fused losses have no second derivative: backward(create_graph=True) or "
-                "torch.autograd.grad(..., create_graph=True) through one would treat its gradient as a constant; "
-                "use torch.nn.functional's loss where the gradient is differentiated again");
+    // Grad mode is on in backward only for create_graph=True: the gradient must carry a graph.
+    if (at::GradMode::is_enabled()) return gradient_graph(grad_outputs[0]);
     TORCH_CHECK(!handed_on,
                 "Trying to backward through the graph a second time: this fused loss handed on the gradient its "
                 "forward computed. Specify retain_graph=True if you need to backward through the graph a second time.");
@@ -55,6 +71,31 @@ struct ScaleSavedGradients : torch::autograd::Node {
       const bool usable = grad_output.dim() == 0 && grad_output.scalar_type() == grad.scalar_type();
       scale_by_grad_output_(grad, usable ? grad_output : grad_output.reshape({}).to(grad.scalar_type()));
     }
+    return out;
+  }
+
+  // The operand held weakly, if it is still alive and unchanged since the forward.
+  static at::Tensor alive(const std::optional<WeakTensor>& ref, int64_t version, const char* name) {
+    auto strong = ref.has_value() ? ref->lock() : c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>();
+    TORCH_CHECK(strong.defined(),
+                "backward(create_graph=True) through a fused loss recomputes its gradient from its ", name,
+                ", which is no longer alive: the fused loss keeps no reference to it (its memory is freed after the "
+                "forward). Keep a reference to the loss's ", name, " until this backward.");
+    at::Tensor tensor(std::move(strong));
+    TORCH_CHECK(tensor._version() == version, "backward(create_graph=True) through a fused loss recomputes its "
+                "gradient from its ", name, ", which was modified in place after the forward");
+    return tensor;
+  }
+
+  torch::autograd::variable_list gradient_graph(const at::Tensor& grad_output) {
+    TORCH_CHECK(differentiable != nullptr, "this fused loss has no second derivative");
+    const at::Tensor input = alive(input_ref, input_version, "input");
+    const at::Tensor target = alive(target_ref, target_version, "target");
+    pybind11::gil_scoped_acquire gil;
+    const auto function_and_options = pybind11::reinterpret_borrow<pybind11::tuple>(differentiable);
+    const pybind11::tuple result = function_and_options[0](function_and_options[1], input, target, grad_output);
+    torch::autograd::variable_list out;
+    for (const auto& grad : result) out.push_back(grad.is_none() ? at::Tensor() : grad.cast<at::Tensor>());
     return out;
   }
 
@@ -77,10 +118,14 @@ NodePtr new_node() {  // a template, so that only the branch for this torch is c
 
 // loss: the 0-dim result of a forward that also wrote grad_input and grad_target (None
 // where not asked for). Returns loss, now with a ScaleSavedGradients grad_fn whose next
-// edges are input's and target's.
+// edges are input's and target's. For create_graph=True: the operands as the user passed
+// them (user_input, user_target) and differentiable = (function, options), where
+// function(options, user_input, user_target, grad_output) gives the gradients of input and
+// target as a graph (None: no second derivative).
 inline at::Tensor attach_saved_gradients(at::Tensor loss, const at::Tensor& input,
                                          const c10::optional<at::Tensor>& grad_input, const at::Tensor& target,
-                                         const c10::optional<at::Tensor>& grad_target) {
+                                         const c10::optional<at::Tensor>& grad_target, const at::Tensor& user_input,
+                                         const at::Tensor& user_target, pybind11::object differentiable) {
   TORCH_CHECK(loss.dim() == 0 && !loss.requires_grad(), "loss must be a 0-dim tensor without a grad_fn");
   NodePtr node = new_node<ScaleSavedGradients>();
   auto* scale = static_cast<ScaleSavedGradients*>(node.get());
@@ -88,6 +133,15 @@ inline at::Tensor attach_saved_gradients(at::Tensor loss, const at::Tensor& inpu
     return operand.requires_grad() && grad.has_value() ? *grad : at::Tensor();
   };
   scale->grads = {wanted(input, grad_input), wanted(target, grad_target)};
+  if (!differentiable.is_none()) {
+    TORCH_CHECK(pybind11::isinstance<pybind11::tuple>(differentiable) && pybind11::len(differentiable) == 2,
+                "differentiable must be (function, options) or None");
+    scale->input_ref = ScaleSavedGradients::WeakTensor(user_input.getIntrusivePtr());
+    scale->target_ref = ScaleSavedGradients::WeakTensor(user_target.getIntrusivePtr());
+    scale->input_version = user_input._version();
+    scale->target_version = user_target._version();
+    scale->differentiable = differentiable.release().ptr();
+  }
   node->set_next_edges(torch::autograd::collect_next_edges(input, target));
   torch::autograd::set_history(loss, node);
   return loss;

@@ -125,28 +125,33 @@ def scale_by_grad_output_(grad, grad_output):
 
 
 class _ScaleSavedGradients(torch.autograd.Function):
-    """kernels/autograd_node.h's node: backward scales the gradients the forward wrote."""
+    """kernels/autograd_node.h's node: backward scales the gradients the forward wrote; with
+    create_graph=True it calls function(options, user_input, user_target, grad_output), where
+    differentiable = (function, options)."""
 
     @staticmethod
     def forward(ctx, input, target, loss_and_grads):
-        loss, ctx.grads = loss_and_grads
+        loss, ctx.grads, ctx.user_operands, ctx.differentiable = loss_and_grads
         ctx.set_materialize_grads(False)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
         if torch.is_grad_enabled():
-            raise RuntimeError("model of the fused losses' node: no second derivative (create_graph=True)")
+            if ctx.differentiable is None:
+                raise RuntimeError("model of the fused losses' node: this fused loss has no second derivative")
+            function, options = ctx.differentiable
+            return (*function(options, *ctx.user_operands, grad_output), None)
         if grad_output is None:  # no gradient reached the loss: none flows on
             return None, None, None
         # Scaled copies (the node scales in place when no later backward can come; same values).
         return (*(None if grad is None else grad * grad_output.to(grad.dtype) for grad in ctx.grads), None)
 
 
-def attach_saved_gradients(loss, input, grad_input, target, grad_target):
+def attach_saved_gradients(loss, input, grad_input, target, grad_target, user_input, user_target, differentiable):
     grads = tuple(grad if operand.requires_grad else None
                   for operand, grad in ((input, grad_input), (target, grad_target)))
-    return _ScaleSavedGradients.apply(input, target, (loss, grads))
+    return _ScaleSavedGradients.apply(input, target, (loss, grads, (user_input, user_target), differentiable))
 
 
 MODELS = {

@@ -105,20 +105,47 @@ def test_a_builds_checks_raise_python_errors():
         ops.scale_by_grad_output_(torch.zeros(3))
 
 
-def test_a_builds_autograd_node_wires_the_graph_and_refuses_a_second_derivative():
+def test_a_builds_autograd_node_wires_the_graph():
     """kernels/autograd_node.h, on CPU tensors (its checks come before any CUDA call): the
     loss gets the node as its grad_fn, whose next edges are input's and target's."""
     assert PROBLEM is None, PROBLEM
     ops = loader.load("mse", arch=ARCHS[0])
     leaf = torch.randn(3, requires_grad=True)
     input, target = leaf * 2, torch.randn(3)
-    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None)
+    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target, None)
     assert loss.requires_grad and loss.grad_fn.name() == "FusedLossBackward"
     assert [edge[0] for edge in loss.grad_fn.next_functions] == [input.grad_fn, None]
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(loss, leaf, create_graph=True)
     with pytest.raises(RuntimeError, match="loss must be a 0-dim tensor without a grad_fn"):
-        ops.attach_saved_gradients(loss, input, None, target, None)
+        ops.attach_saved_gradients(loss, input, None, target, None, input, target, None)
+
+
+def test_a_builds_autograd_node_differentiates_again_through_its_callback():
+    """create_graph=True: the node calls function(options, user_input, user_target,
+    grad_output) (here torch's MSE formula) on the operands it holds weakly; a freed operand
+    raises."""
+    assert PROBLEM is None, PROBLEM
+    ops = loader.load("mse", arch=ARCHS[0])
+    leaf, target = torch.randn(3, requires_grad=True), torch.randn(3)
+
+    def gradient_graph(options, input, target, grad_output):
+        (grad,) = torch.autograd.grad(((input - target) ** 2).sum(), input, grad_output, create_graph=True)
+        return grad, None
+
+    differentiable = (gradient_graph, ())
+
+    input = leaf * 2
+    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target,
+                                      differentiable)
+    (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
+    torch.testing.assert_close(grad, 4 * (leaf * 2 - target))  # d/dleaf of sum((2 leaf - t)^2)
+    (second,) = torch.autograd.grad(grad.sum(), leaf)
+    torch.testing.assert_close(second, torch.full((3,), 8.0))
+    loss = ops.attach_saved_gradients(torch.zeros(()), leaf * 2, torch.ones(3), target, None, leaf * 2, target,
+                                      differentiable)  # its input, leaf * 2, is freed at once
+    with pytest.raises(RuntimeError, match="input, which is no longer alive"):
+        torch.autograd.grad(loss, leaf, create_graph=True)
 
 
 class _NoGradientForFirst(torch.autograd.Function):
@@ -139,7 +166,8 @@ def test_a_builds_autograd_node_passes_on_no_gradient():
     assert PROBLEM is None, PROBLEM
     ops = loader.load("mse", arch=ARCHS[0])
     leaf, other = torch.randn(3, requires_grad=True), torch.randn((), requires_grad=True)
-    loss = ops.attach_saved_gradients(torch.zeros(()), leaf * 2, torch.ones(3), torch.randn(3), None)
+    input, target = leaf * 2, torch.randn(3)
+    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target, None)
     _NoGradientForFirst.apply(loss, other).backward()
     assert leaf.grad is None and other.grad is not None
 
