@@ -171,11 +171,6 @@ constexpr int vec16() {
   return 16 / sizeof(T);
 }
 
-// Host and device: launchers and kernels find a pointer's offset the same way.
-__host__ __device__ inline uintptr_t offset_from_16_bytes(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16;
-}
-
 inline bool is_aligned16(const void* ptr) {
   return offset_from_16_bytes(ptr) == 0;
 }

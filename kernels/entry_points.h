@@ -37,10 +37,7 @@ inline DType dtype_of(const at::Tensor& tensor) {
 
 inline ScalarOut scalar_out(const at::Tensor& loss) { return {loss.data_ptr(), dtype_of(loss)}; }
 
-template <typename T = void>
-T* data_or_null(const at::Tensor& tensor) {
-  return tensor.defined() ? static_cast<T*>(tensor.data_ptr()) : nullptr;
-}
+inline void* data_or_null(const at::Tensor& tensor) { return tensor.defined() ? tensor.data_ptr() : nullptr; }
 
 // One call's launch context: the current stream of `like`'s device (made current for the
 // call's life), and scratch memory from torch's caching allocator on it, held until the
@@ -93,10 +90,6 @@ inline at::Tensor loss_tensor(const at::Tensor& input, int64_t reduction, bool f
   return at::empty({}, input.options().dtype(float_loss ? at::kFloat : input.scalar_type()));
 }
 
-inline uintptr_t offset_from_16_bytes(const at::Tensor& tensor) {
-  return reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16;
-}
-
 // A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
 // 16-byte boundary (a multiple of the element size): a few elements more are allocated
 // (the allocator's blocks start aligned) and viewed from there.
@@ -111,7 +104,7 @@ inline at::Tensor empty_at_offset(const at::Tensor& like, uintptr_t offset) {
 // `tensor` (contiguous) itself when it starts `offset` bytes past a 16-byte boundary,
 // else a copy that does.
 inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
-  if (offset_from_16_bytes(tensor) == offset) return tensor;
+  if (offset_from_16_bytes(tensor.data_ptr()) == offset) return tensor;
   return empty_at_offset(tensor, offset).copy_(tensor);
 }
 
@@ -248,7 +241,7 @@ struct CrossEntropyInputs {
     target = target_arg.contiguous();
     // Probabilities are read in the same 16-byte packs as the logits (RowEdges): at the
     // logits' offset from 16 bytes, copied there in the rare case they are not.
-    if (probs) target = at_offset(target, offset_from_16_bytes(logits));
+    if (probs) target = at_offset(target, offset_from_16_bytes(logits.data_ptr()));
     if (weight_arg.has_value() && weight_arg->defined()) {
       TORCH_CHECK(weight_arg->dim() == 1 && weight_arg->size(0) == logits.size(1) &&
                       weight_arg->device() == logits.device(),
@@ -270,7 +263,7 @@ struct CrossEntropyInputs {
 
   // A fresh tensor of the logits' shape and dtype that rows are written to (a gradient):
   // at their offset from 16 bytes, so that both are read and written in the same packs.
-  at::Tensor empty_row_tensor() const { return empty_at_offset(logits, offset_from_16_bytes(logits)); }
+  at::Tensor empty_row_tensor() const { return empty_at_offset(logits, offset_from_16_bytes(logits.data_ptr())); }
 
   // The lse is kept in the accumulation type (float, or double for float64).
   at::Tensor empty_lse() const {

@@ -20,6 +20,11 @@ enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3
 // Reduction codes; losses.py holds the same table (REDUCTION_CODES).
 enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2, kBatchMean = 3 };
 
+// Host and device: the bindings, launchers and kernels find a pointer's offset the same way.
+__host__ __device__ inline uintptr_t offset_from_16_bytes(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16;
+}
+
 // Where a launch runs, and its scratch memory: allocate(owner, bytes) gives device memory
 // that stays valid until the call returns (torch's caching allocator, on `stream`).
 struct LaunchContext {
