@@ -145,6 +145,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, _):
+        # The gradient was computed in the forward, with no graph: a second derivative through
+        # it would silently treat it as a constant.
+        if torch.is_grad_enabled():
+            raise RuntimeError("cross_entropy with process_group has no second derivative: "
+                               "backward(create_graph=True) through it is not supported")
         grad_logits, grad_target = ctx.saved_tensors
         if grad_output is None:
             return None, None, None, None

@@ -112,6 +112,10 @@ def check_errors_and_edges(rank, group, device):
     torch.testing.assert_close(rows[[0, 2, 3]], expected[[0, 2, 3]])
     with pytest.raises(ValueError, match="inplace_backward is not supported with process_group"):
         losses.cross_entropy(logits[:, :5].clone(), target, inplace_backward=True, process_group=group)
+    shard = logits[:, 5 * rank:5 * rank + 5].clone().requires_grad_()
+    loss = losses.cross_entropy(shard, target.clamp(max=9), process_group=group)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, shard, create_graph=True)
 
 
 def worker(rank, backend, store_path, cases, failures):
