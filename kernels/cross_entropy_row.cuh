@@ -458,8 +458,11 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
 
   RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
   if (want_grad) {
-    const acc_t s = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : scales.ce;
-    const acc_t sz = params.grad_output != nullptr ? s : scales.z;
+    const acc_t scale = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : scales.ce;
+    const acc_t sz = params.grad_output != nullptr ? scale : scales.z;
+    // One class: p = 1, so the ce term's gradient is identically 0; computed, its parts would
+    // cancel only to a rounding of the weight, which would land on the z-loss gradient.
+    const acc_t s = params.num_classes == 1 ? acc_t(0) : scale;
     if (!t.valid && !t.ignored) {
       g.A_over_sum = g.B = quiet_nan<acc_t>();
     } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it

@@ -674,6 +674,25 @@ def test_loss_is_exactly_zero_where_torchs_is(case, dtype, reduction, grad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("target_kind", ["indices", "probabilities"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_class_gradient_is_the_z_loss_term_alone(dtype, target_kind):
+    """One class: the ce term and its gradient are exactly 0 (as torch's), so with z_loss,
+    smoothing and weights the gradient is the z-loss term's, 2 z lse / N, to its rounding."""
+    rows, z_loss = 64, 1e-3
+    x = randn(rows, 1, dtype=dtype).requires_grad_()
+    target = (torch.zeros(rows, dtype=torch.long, device="cuda") if target_kind == "indices"
+              else torch.ones(rows, 1, device="cuda", dtype=dtype))
+    loss = losses.cross_entropy(x, target, weight=torch.tensor([0.7], device="cuda", dtype=dtype),
+                                label_smoothing=0.1, z_loss=z_loss)
+    loss.backward()
+    truth = 2 * z_loss * x.detach().double() / rows
+    assert loss.item() == pytest.approx(z_loss * x.detach().double().pow(2).mean().item(), rel=FLOOR[dtype])
+    subnormal_step = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # float16's gradient is subnormal
+    torch.testing.assert_close(x.grad.double(), truth, rtol=FLOOR[dtype], atol=subnormal_step)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("weight", [False, True], ids=["no weight", "weight"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
