@@ -10,11 +10,14 @@ What it measures, per case (loss, shape, dtype) and implementation:
            losses.cross_entropy
   eager    the formulas users write today: F.kl_div(torch.log(p), q, reduction='batchmean'),
            torch.mean((x - y) ** 2), F.cross_entropy(logits, target)
+  eager_F  F.mse_loss(x, y) (MSE only: the other eager formulas are torch.nn.functional's already)
   compile  torch.compile (default mode) of those same formulas
   liger    Liger-Kernel's liger_kl_div(torch.log(p), q, reduction='batchmean') and
            liger_cross_entropy(logits, target), when importable; it has no MSE
-Forward time is taken under torch.no_grad(); the training step is forward + loss.backward()
-with the gradient of the first input only (p, x, logits). Times are medians over many
+Forward time is taken under torch.no_grad(); the training step is forward + backward with the
+gradient of the first input only (p, x, logits), three ways: loss.backward() ('train'),
+(loss / 8).backward() as in gradient accumulation ('train/8'), and, in float16 cases, a
+GradScaler's scaler.scale(loss).backward() (scale 2**16, 'scaler'). Times are medians over many
 groups of 5 back-to-back steps, each group between two CUDA events, after a warm-up that
 includes kernel builds and compilation. In a large case the GPU spins before each group
 for twice as long as the host takes to queue it, so the events time the GPU's work with
@@ -40,8 +43,12 @@ Liger's cross-entropy writes its gradient into the logits during the training st
 forward, so every implementation gets freshly made inputs (same seed, same data).
 Peak extra memory: torch.cuda.max_memory_allocated() during one training step minus the
 memory allocated just before it (inputs already allocated); it includes the gradient.
-Each implementation's loss is compared once with eager's on the same inputs before timing
-(relative tolerance 1e-4 fp32, 2e-2 fp16/bf16): the 'check' column says ok or MISMATCH.
+Before timing, each implementation's training step ((loss / 8).backward() on copies of the
+inputs) and its no-grad loss are compared with eager's (in float32 for fp16/bf16 inputs): loss
+within a relative 1e-4 (fp32) or 2e-2 (fp16/bf16), gradient within the same norm-wise
+relative error. The 'check' column says
+ok or MISMATCH; a MISMATCH of ours makes the run exit 1. Ours runs in strict mode
+(FUSED_LOSSES_STRICT=1): a torch fallback raises rather than being timed.
 
 First use: each loss's first call in a fresh process with an empty temporary kernel cache
 (the build of its kernel, then the call; one loss at a time, as a user meets it), and the
@@ -74,7 +81,7 @@ try:
 except Exception as error:  # ImportError, or triton failing to import
     LIGER_MISSING = f"liger_kernel is not importable ({type(error).__name__}: {error})"
 
-IMPLS = ("ours", "eager", "compile", "liger")
+IMPLS = ("ours", "eager", "eager_F", "compile", "liger")
 # (loss, rows, columns, dtype); cases of fewer than SMALL_CASE_BYTES per input are launch-bound.
 CASES = [
     ("kl", 16384, 16384, torch.float32), ("kl", 16384, 16384, torch.float16), ("kl", 64, 1000, torch.float32),
@@ -94,6 +101,12 @@ FLOOR_BYTES_PER_ELEMENT = {  # in units of the element size: (forward, training 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float64: 1e-8}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 COPY_BYTES = 2**30  # size of the tensor copied to measure bandwidth
+# The timed modes, each a result column <mode>_ms: the no-grad forward, then training steps
+# that differ in what backward starts from (grad_output): the loss itself, loss / 8
+# (gradient accumulation over 8 micro-batches), and a float16 loop's GradScaler.
+MODES = ("forward", "train", "train_div8", "train_scaler")
+MODE_LABELS = {"forward": "fwd", "train": "train", "train_div8": "train/8", "train_scaler": "scaler"}
+GRAD_SCALE = 2.0**16  # GradScaler's default initial scale
 
 
 # ----------------------------------------------------------------------------------
@@ -115,6 +128,10 @@ def eager_ce(logits, target):
     return F.cross_entropy(logits, target)
 
 
+def eager_f_mse(x, y):
+    return F.mse_loss(x, y)
+
+
 def liger_kl(p, q):
     return liger_kl_div(torch.log(p), q, reduction="batchmean")
 
@@ -125,6 +142,7 @@ def liger_ce(logits, target):
 
 OURS = {"kl": ours_kl, "mse": losses.mse_loss, "ce": losses.cross_entropy}
 EAGER = {"kl": eager_kl, "mse": eager_mse, "ce": eager_ce}
+EAGER_F = {"mse": eager_f_mse}
 LIGER = {"kl": liger_kl, "ce": liger_ce}
 
 
@@ -134,6 +152,8 @@ def loss_fn_for(impl: str, loss: str):
         return OURS[loss]
     if impl == "eager":
         return EAGER[loss]
+    if impl == "eager_F":
+        return EAGER_F[loss]
     if impl == "compile":
         import torch._dynamo  # not imported by `import torch` on older versions
         torch._dynamo.reset()  # a fresh cache per case: no recompile limits, no dynamic shapes
@@ -251,6 +271,22 @@ def rep_times_ms(step, before_step, count: int, reps: int, warmup: int, group: i
     return [start.elapsed_time(end) / group for start, end in zip(starts, ends)]
 
 
+def case_modes(dtype) -> tuple:
+    """The modes timed for a case of this dtype: GradScaler steps only in float16."""
+    return tuple(mode for mode in MODES if mode != "train_scaler" or dtype == torch.float16)
+
+
+def what_backward_starts_from(mode: str):
+    """loss -> the tensor whose backward() a training step of this mode calls."""
+    if mode == "train":
+        return lambda loss: loss
+    if mode == "train_div8":
+        return lambda loss: loss / 8
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):  # torch 2.3+
+        return torch.amp.GradScaler("cuda", init_scale=GRAD_SCALE).scale
+    return torch.cuda.amp.GradScaler(init_scale=GRAD_SCALE).scale
+
+
 def forward_times(loss_fn, input_sets, reps, warmup, host_ahead) -> list[float]:
     def step(i):
         loss_fn(*input_sets[i])
@@ -258,13 +294,15 @@ def forward_times(loss_fn, input_sets, reps, warmup, host_ahead) -> list[float]:
         return rep_times_ms(step, lambda i: None, len(input_sets), reps, warmup, host_ahead=host_ahead)
 
 
-def training_step_times(loss_fn, input_sets, reps, warmup, host_ahead) -> list[float]:
+def training_step_times(loss_fn, input_sets, reps, warmup, host_ahead, mode="train") -> list[float]:
     """Inputs whose first tensor requires grad; its .grad is cleared (untimed) before each step."""
+    backward_from = what_backward_starts_from(mode)
+
     def clear_grad(i):
         input_sets[i][0].grad = None
 
     def step(i):
-        loss_fn(*input_sets[i]).backward()
+        backward_from(loss_fn(*input_sets[i])).backward()
     return rep_times_ms(step, clear_grad, len(input_sets), reps, warmup, host_ahead=host_ahead)
 
 
@@ -294,14 +332,49 @@ def copy_bandwidth_gbps(reps: int) -> float:
 # ----------------------------------------------------------------------------------
 # One (case, implementation).
 
-def compare_with_eager(loss, loss_fn, inputs, dtype) -> str:
-    """ok / MISMATCH: this implementation's loss against eager's, on the same inputs."""
+def relative_error(value: torch.Tensor, reference: torch.Tensor, chunk: int = 1 << 26) -> float:
+    """||value - reference|| / ||reference||, in float64 a chunk at a time (the gradients are GBs)."""
+    value, reference = value.reshape(-1), reference.reshape(-1)
+    diff_sq = ref_sq = 0.0
+    for start in range(0, value.numel(), chunk):
+        v, r = value[start:start + chunk].double(), reference[start:start + chunk].double()
+        diff_sq += float((v - r).pow(2).sum())
+        ref_sq += float(r.pow(2).sum())
+    return math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else math.sqrt(diff_sq)
+
+
+def training_step_result(loss_fn, inputs):
+    """The loss and first input's gradient of (loss / 8).backward(), on a copy of that input
+    (Liger's cross-entropy overwrites its logits with the gradient)."""
+    first = inputs[0].detach().clone().requires_grad_()
+    value = loss_fn(first, *inputs[1:])
+    (value / 8).backward()
+    return value.detach(), first.grad
+
+
+def check_against_eager(loss, loss_fn, inputs, dtype) -> str:
+    """ok / MISMATCH (what differs): this implementation's no-grad loss and its training
+    step's loss and gradient against eager's on the same inputs, computed in float32 for
+    2-byte dtypes (eager's own float16 KL gradient underflows: 20% off)."""
+    tolerance = TOLERANCE[dtype]
     with torch.no_grad():
-        value = float(loss_fn(*inputs).double().item())
-        reference = float(EAGER[loss](*inputs).double().item())
+        no_grad_value = loss_fn(*inputs)
+    value, grad = training_step_result(loss_fn, inputs)
+    widened = [t.float() if t.is_floating_point() and t.element_size() == 2 else t for t in inputs]
+    reference_value, reference_grad = training_step_result(EAGER[loss], widened)
+    del widened
+    reference = float(reference_value.double())
+    problems = []
+    for name, v in (("no-grad loss", no_grad_value), ("loss", value)):
+        v = float(v.double())
+        if not (math.isfinite(v) and abs(v - reference) <= tolerance * max(abs(reference), 1e-30)):
+            problems.append(f"{name} {v:.6g} vs eager {reference:.6g}")
+    grad_error = relative_error(grad, reference_grad)
+    if not grad_error <= tolerance:  # NaN fails too
+        problems.append(f"gradient relative error {grad_error:.3g} vs eager's")
+    del no_grad_value, value, grad, reference_value, reference_grad
     free_gpu_memory()
-    close = math.isfinite(value) and abs(value - reference) <= TOLERANCE[dtype] * max(abs(reference), 1e-30)
-    return "ok" if close else f"MISMATCH ({value:.6g} vs eager {reference:.6g})"
+    return "ok" if not problems else f"MISMATCH ({'; '.join(problems)})"
 
 
 class Contender:
@@ -310,9 +383,9 @@ class Contender:
     with 'err' in its row; the run goes on."""
 
     def __init__(self, loss, rows, cols, dtype, impl):
-        self.result = {"check": "-", "forward_ms": None, "train_ms": None, "peak_extra_MB": None,
+        self.result = {"impl": impl, "check": "-", **{f"{mode}_ms": None for mode in MODES}, "peak_extra_MB": None,
                        "error": None, "note": None}
-        self.times = {"forward": [], "train": []}
+        self.times = {mode: [] for mode in case_modes(dtype)}
         self.loss_fn = self.input_sets = None
         if impl == "liger" and (LIGER_MISSING or loss not in LIGER):
             self.result["note"] = LIGER_MISSING or f"liger has no {loss}"
@@ -322,7 +395,7 @@ class Contender:
             self.loss_fn = loss_fn_for(impl, loss)
             self.input_sets = make_input_sets(loss, rows, cols, dtype)
             self.result["check"] = ("ref" if impl == "eager" else
-                                    compare_with_eager(loss, self.loss_fn, self.input_sets[0], dtype))
+                                    check_against_eager(loss, self.loss_fn, self.input_sets[0], dtype))
         self.attempt(prepare)
 
     @property
@@ -340,13 +413,14 @@ class Contender:
             self.release()
 
     def time(self, mode: str, reps: int, warmup: int, host_ahead: bool) -> None:
-        """Adds reps timings of the forward ('forward') or the training step ('train')."""
+        """Adds reps timings of the forward ('forward') or a training step (MODES' others)."""
         def measure():
-            if mode == "train":
-                for inputs in self.input_sets:
-                    inputs[0].requires_grad_(True)
-            timer = training_step_times if mode == "train" else forward_times
-            self.times[mode] += timer(self.loss_fn, self.input_sets, reps, warmup, host_ahead)
+            if mode == "forward":
+                self.times[mode] += forward_times(self.loss_fn, self.input_sets, reps, warmup, host_ahead)
+                return
+            for inputs in self.input_sets:
+                inputs[0].requires_grad_(True)
+            self.times[mode] += training_step_times(self.loss_fn, self.input_sets, reps, warmup, host_ahead, mode)
         if self.ready:
             self.attempt(measure)
 
@@ -372,6 +446,7 @@ def run_case(loss, rows, cols, dtype, small, impls, reps, warmup) -> list[dict]:
     (launch-bound, is_small) case's times are the host's, whose speed drifts during a run:
     there the implementations take turns, SMALL_CASE_ROUNDS rounds of reps /
     SMALL_CASE_ROUNDS groups each, so that every one of them meets the same drift."""
+    impls = [impl for impl in impls if impl != "eager_F" or loss in EAGER_F]  # the others' eager is F's
     turns = [impls] if small else [[impl] for impl in impls]
     rounds = SMALL_CASE_ROUNDS if small else 1
     results = []
@@ -380,7 +455,7 @@ def run_case(loss, rows, cols, dtype, small, impls, reps, warmup) -> list[dict]:
         for impl in together:
             print(f"[{case_name(loss, rows, cols, dtype)}] {impl} ...", file=sys.stderr, flush=True)
             contenders.append(Contender(loss, rows, cols, dtype, impl))
-        for mode in ("forward", "train"):
+        for mode in case_modes(dtype):
             for round_index in range(rounds):
                 for contender in contenders:
                     contender.time(mode, max(1, reps // rounds), warmup if round_index == 0 else 1,
@@ -395,7 +470,8 @@ def add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps):
     small = is_small(rows, cols, dtype)
     ours = next((row for row in rows_of_case if row["impl"] == "ours"), None)
     for row in rows_of_case:
-        for mode, per_element in zip(("forward", "train"), FLOOR_BYTES_PER_ELEMENT[loss]):
+        for mode in MODES:
+            per_element = FLOOR_BYTES_PER_ELEMENT[loss][0 if mode == "forward" else 1]
             ms = row[f"{mode}_ms"]
             floor_bytes = per_element * n_bytes
             floor_ms = floor_bytes / (copy_gbps * 1e9) * 1e3
@@ -485,15 +561,15 @@ def fmt(value, spec=".2f", suffix=""):
 
 
 def print_table(results, gpu, copy_gbps):
-    header = ["case", "impl", "check", "fwd ms", "fwd GB/s", "fwd x floor", "train ms", "train GB/s",
-              "train x floor", "ours speedup fwd", "ours speedup train", "peak extra MB"]
+    modes = [mode for mode in MODES if any(r[f"{mode}_ms"] is not None for r in results)]
+    header = (["case", "impl", "check"] + [f"{MODE_LABELS[m]} {what}" for m in modes for what in ("ms", "x floor")]
+              + [f"ours speedup {MODE_LABELS[m]}" for m in modes] + ["peak extra MB"])
     lines = [header]
     for r in results:
         check = "MISMATCH" if r["check"].startswith("MISMATCH") else r["check"]
-        lines.append([r["case"], r["impl"], check, fmt(r["forward_ms"], ".3f"), fmt(r["forward_GBps"], ".0f"),
-                      fmt(r["forward_x_floor"]), fmt(r["train_ms"], ".3f"), fmt(r["train_GBps"], ".0f"),
-                      fmt(r["train_x_floor"]), fmt(r["ours_speedup_forward"], ".2f", "x"),
-                      fmt(r["ours_speedup_train"], ".2f", "x"), fmt(r["peak_extra_MB"], ".0f")])
+        lines.append([r["case"], r["impl"], check]
+                     + [fmt(r[f"{m}_{key}"], spec) for m in modes for key, spec in (("ms", ".3f"), ("x_floor", ".2f"))]
+                     + [fmt(r[f"ours_speedup_{m}"], ".2f", "x") for m in modes] + [fmt(r["peak_extra_MB"], ".0f")])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     print(f"\nGPU: {gpu}   copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
     for i, line in enumerate(lines):
@@ -609,6 +685,7 @@ def main(argv=None):
     if unknown:
         print(f"unknown --impls {','.join(unknown)}; choose from {','.join(IMPLS)}", file=sys.stderr)
         return 2
+    os.environ["FUSED_LOSSES_STRICT"] = "1"  # time our kernels, never a torch fallback
     reps = args.reps or (10 if args.quick else 50)
     warmup = 5 if args.quick else 10
     gpu = torch.cuda.get_device_name()
@@ -625,9 +702,8 @@ def main(argv=None):
         small = is_small(rows, cols, dtype)
         case_reps = 4 * reps if small else reps  # launch-bound: cheap, and noisier
         rows_of_case = run_case(loss, rows, cols, dtype, small, impls, case_reps, warmup)
-        for impl, result in zip(impls, rows_of_case):
-            result.update(case=name, loss=loss, shape=[rows, cols], dtype=DTYPE_NAMES[dtype], impl=impl,
-                          launch_bound=small)
+        for result in rows_of_case:
+            result.update(case=name, loss=loss, shape=[rows, cols], dtype=DTYPE_NAMES[dtype], launch_bound=small)
         add_derived_columns(rows_of_case, loss, rows, cols, dtype, copy_gbps)
         results.extend(rows_of_case)
 
@@ -648,6 +724,10 @@ def main(argv=None):
     print_table(results, gpu, copy_gbps)
     if first_use:
         print_first_use(first_use)
+    failed = [r["case"] for r in results if r["impl"] == "ours" and r["check"] != "ok"]
+    if failed:
+        print(f"ours failed its check (or ran into an error) in: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

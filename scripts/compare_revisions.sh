@@ -2,7 +2,8 @@
 # Times the kernels of git revisions against the working tree, in one run on one GPU:
 # each version is copied to its own folder (its own builds, by content hash), then
 # bench.py --quick --impls ours runs on each in turn, ROUNDS times, so drift between
-# rounds shows up as the spread of one version's numbers.
+# rounds shows up as the spread of one version's numbers. Every version runs the working
+# tree's bench.py.
 #   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
 # A REV that is a .patch file stands for the working tree with that patch applied (no git
 # needed). The working tree is always the last version ("work"). Other REVs resolve in this
@@ -24,6 +25,7 @@ for rev in "$@"; do
     name=$rev
     echo "$rev: $(git log -1 --format='%h %s' "$rev")"
     mkdir -p "$scratch/$name" && git archive "$rev" | tar -x -C "$scratch/$name" || exit 1
+    cp bench.py "$scratch/$name/"  # one measurement for every version: the working tree's
   fi
   names+=("$name")
 done
