@@ -29,12 +29,13 @@
 
 namespace fused_losses {
 
-// backward: scales the saved gradients in place by grad_output (on the GPU, no work when
-// it is 1) and hands them on. The node holds their only reference, so autograd makes
-// them .grad without a copy. Under retain_graph=True another backward may follow: that
-// backward hands on scaled copies and keeps the gradients.
+// backward: scales the saved gradients in place by grad_output over the forward's guess at
+// it (on the GPU, no work when the guess came true) and hands them on. The node holds their
+// only reference, so autograd makes them .grad without a copy. Under retain_graph=True
+// another backward may follow: that backward hands on scaled copies and keeps the gradients.
 struct ScaleSavedGradients : torch::autograd::Node {
   torch::autograd::variable_list grads;  // one per next edge; undefined where none is wanted
+  at::Tensor guess;                      // the forward's guess_slot (entry_points.h), or undefined
   bool handed_on = false;                // grads are gone: a later backward has nothing to give
   // For create_graph=True: the operands as the user passed them, held weakly, their versions
   // then, and differentiable = (function, options): function(options, input, target,
@@ -69,7 +70,8 @@ struct ScaleSavedGradients : torch::autograd::Node {
       if (!grad.defined()) continue;
       if (keep) grad = grad.clone();
       const bool usable = grad_output.dim() == 0 && grad_output.scalar_type() == grad.scalar_type();
-      scale_by_grad_output_(grad, usable ? grad_output : grad_output.reshape({}).to(grad.scalar_type()));
+      scale_by_grad_output_over_guess_(grad, usable ? grad_output : grad_output.reshape({}).to(grad.scalar_type()),
+                                       guess);
     }
     return out;
   }
@@ -133,6 +135,7 @@ inline at::Tensor attach_saved_gradients(at::Tensor loss, const at::Tensor& inpu
     return operand.requires_grad() && grad.has_value() ? *grad : at::Tensor();
   };
   scale->grads = {wanted(input, grad_input), wanted(target, grad_target)};
+  scale->guess = guess_slot(loss);
   if (!differentiable.is_none()) {
     TORCH_CHECK(pybind11::isinstance<pybind11::tuple>(differentiable) && pybind11::len(differentiable) == 2,
                 "differentiable must be (function, options) or None");

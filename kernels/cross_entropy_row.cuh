@@ -342,6 +342,8 @@ struct CrossEntropyParams {
   // gridDim.x), after its rows.
   sum_t* divisors_by_blocks;
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
+  const double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess), or nullptr
+  ScalarOut guess_applied;     // where the factor used is recorded, or nullptr
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
   acc_type<T>* lse;  // (rows)
@@ -389,6 +391,11 @@ __device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntr
     }
     scales.ce = static_cast<acc_t>(1.0 / block_sum(weight_sum, scratch));
     scales.z = static_cast<acc_t>(1.0 / block_sum(count, scratch));
+  }
+  if (want_grad) {
+    const auto guess = static_cast<acc_t>(grad_output_guess<T>(params.guess_source, params.guess_applied));
+    scales.ce *= guess;
+    scales.z *= guess;
   }
   return scales;
 }

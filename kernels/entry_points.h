@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -78,16 +79,40 @@ void run_kernels(Launch launch) {
   }
 }
 
+// Whether a forward guesses grad_output (ops.h, GradOutputGuess): a scalar loss with a
+// gradient, called by the eager autograd node's path, the one that runs with grad mode on
+// (losses.py calls it directly; autograd.Functions and compiled graphs run their forward
+// with grad mode off, and their backward scales by grad_output as it comes).
+inline bool guesses_grad_output(int64_t reduction, bool want_grad) {
+  return reduction != kNone && want_grad && at::GradMode::is_enabled();
+}
+
 // The tensor the loss is written to. A scalar reduction's is 0-dim, in the input's dtype or
 // in float32 when float_loss (what torch's autocast gives for these losses; losses.py asks
 // for it there); reduction 'none' gives one value per element or row, `unreduced_shape`.
+// With `guess`, the 0-dim loss is the first of two elements: the second records the guess
+// at grad_output that the gradients were multiplied by (guess_slot).
 inline at::Tensor loss_tensor(const at::Tensor& input, int64_t reduction, bool float_loss,
-                              at::IntArrayRef unreduced_shape) {
+                              at::IntArrayRef unreduced_shape, bool guess = false) {
   if (reduction == kNone) {
     TORCH_CHECK(!float_loss, "float_loss is for scalar reductions");
     return at::empty(unreduced_shape, input.options());
   }
-  return at::empty({}, input.options().dtype(float_loss ? at::kFloat : input.scalar_type()));
+  const at::TensorOptions options = input.options().dtype(float_loss ? at::kFloat : input.scalar_type());
+  return guess ? at::empty({2}, options).select(0, 0).detach() : at::empty({}, options);  // detach: not a view
+}
+
+// The guess's element beside a scalar loss from loss_tensor(..., guess=true), as a 0-dim
+// tensor on the loss's memory; undefined for any other loss. Detached: an autograd view
+// would hold the loss, whose node holds this (a cycle that would keep every step's graph).
+inline at::Tensor guess_slot(const at::Tensor& loss) {
+  if (loss.dim() != 0 || loss.storage().nbytes() < (loss.storage_offset() + 2) * loss.element_size()) return {};
+  return loss.as_strided({}, {}, loss.storage_offset() + 1).detach();
+}
+
+inline GradOutputGuess grad_output_guess_in(const at::Tensor& loss) {
+  const at::Tensor slot = guess_slot(loss);
+  return {slot.defined() ? scalar_out(slot) : ScalarOut{}};
 }
 
 // A contiguous tensor of `like`'s shape and dtype whose data starts `offset` bytes past a
@@ -108,9 +133,11 @@ inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
   return empty_at_offset(tensor, offset).copy_(tensor);
 }
 
-// In place: grad *= grad_output (a 0-dim tensor of grad's dtype on grad's device, read on
-// the GPU; no work when it is 1).
-inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
+// In place: grad *= grad_output / guess (0-dim tensors on grad's device, grad_output of
+// grad's dtype, read on the GPU; no work when they are equal). `guess`: guess_slot of the
+// forward's loss, or undefined for none (1).
+inline void scale_by_grad_output_over_guess_(at::Tensor grad, const at::Tensor& grad_output,
+                                             const at::Tensor& guess) {
   TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
   TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type() &&
                   grad_output.device() == grad.device(),
@@ -118,7 +145,12 @@ inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output
   if (grad.numel() == 0) return;
   CallContext context(grad);
   scale_by_grad_output_launch(dtype_of(grad), grad.data_ptr(), grad.numel(), grad_output.data_ptr(),
-                              context.launch());
+                              guess.defined() ? scalar_out(guess) : ScalarOut{}, context.launch());
+}
+
+// The compiled graphs' backward (their forward makes no guess).
+inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
+  scale_by_grad_output_over_guess_(grad, grad_output, at::Tensor());
 }
 
 // ---------------------------------------------------------------------------------
@@ -145,12 +177,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_forward(const at::Tenso
   CallContext context(input_arg);
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor target = target_arg.contiguous();
-  at::Tensor loss = loss_tensor(input, reduction, float_loss, input.sizes());
+  const bool guess = guesses_grad_output(reduction, want_grad_input || want_grad_target);
+  at::Tensor loss = loss_tensor(input, reduction, float_loss, input.sizes(), guess);
   at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
   at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
   PointwiseCall call{dtype_of(input), input.numel(), scale, input.data_ptr(), target.data_ptr(), nullptr,
                      scalar_loss ? nullptr : loss.data_ptr(), data_or_null(grad_input), data_or_null(grad_target),
-                     scalar_loss ? scalar_out(loss) : ScalarOut{}};
+                     scalar_loss ? scalar_out(loss) : ScalarOut{}, grad_output_guess_in(loss)};
   launch(call, context.launch());
   return {loss, grad_input, grad_target};
 }
@@ -171,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& input_ar
   at::Tensor grad_target = want_grad_target ? at::empty_like(input) : at::Tensor();
   PointwiseCall call{dtype_of(input), input.numel(), 1.0, input.data_ptr(), target.data_ptr(),
                      grad_output.data_ptr(), nullptr, data_or_null(grad_input), data_or_null(grad_target),
-                     ScalarOut{}};
+                     ScalarOut{}, GradOutputGuess{}};
   launch(call, context.launch());
   return {grad_input, grad_target};
 }
@@ -297,7 +330,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_fo
   CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
   TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
   const bool scalar_loss = reduction != kNone;
-  at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows});
+  at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows},
+                                guesses_grad_output(reduction, want_grad_logits || want_grad_target));
   at::Tensor lse = want_lse ? in.empty_lse() : at::Tensor();
   at::Tensor grad_logits, grad_target;
   if (scalar_loss && want_grad_logits) grad_logits = inplace ? in.logits : in.empty_row_tensor();
@@ -308,6 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_fo
   in.call.lse = data_or_null(lse);
   in.call.grad_logits = data_or_null(grad_logits);
   in.call.grad_target = data_or_null(grad_target);
+  in.call.guess = grad_output_guess_in(loss);
   run_kernels([&] { use(in.call, context.launch()); });
   return {loss, grad_logits, grad_target, lse};
 }

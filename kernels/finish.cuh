@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device.cuh"
 #include "launch.cuh"
@@ -50,6 +51,40 @@ __device__ __forceinline__ void store_as(void* out, double value) {
   *static_cast<out_t*>(out) = static_cast<out_t>(value);
 }
 
+__device__ __forceinline__ void store_scalar(ScalarOut out, double value) {
+  switch (out.dtype) {
+    case DType::kFloat64: store_as<double>(out.data, value); break;
+    case DType::kFloat16: store_as<c10::Half>(out.data, value); break;
+    case DType::kBFloat16: store_as<c10::BFloat16>(out.data, value); break;
+    case DType::kFloat32: store_as<float>(out.data, value); break;
+  }
+}
+
+__device__ __forceinline__ double load_scalar(ScalarOut in) {
+  switch (in.dtype) {
+    case DType::kFloat64: return *static_cast<const double*>(in.data);
+    case DType::kFloat16: return static_cast<float>(*static_cast<const c10::Half*>(in.data));
+    case DType::kBFloat16: return static_cast<float>(*static_cast<const c10::BFloat16*>(in.data));
+    default: return *static_cast<const float*>(in.data);
+  }
+}
+
+// The factor a forward multiplies its gradients by (after wait_for_previous_kernel): the
+// guess at `source` where it is a power of two within 2^-24..2^24, as loss scales and
+// 1/micro-batches are: scaling by one commutes with every rounding, so the gradient's
+// bits never depend on the guess. Else 1: no source (none asked for, or a stream being
+// captured), no guess yet, another value, or float16, whose range the guess could leave.
+// Block 0's thread 0 records it in `applied` (when set) for backward.
+template <typename T>
+__device__ __forceinline__ double grad_output_guess(const double* source, ScalarOut applied) {
+  const double guess = source != nullptr && !std::is_same<T, c10::Half>::value ? *source : 1.0;
+  int exponent = 0;
+  const bool power_of_two = frexp(fabs(guess), &exponent) == 0.5 && exponent >= -23 && exponent <= 25;  // NaN: no
+  const double usable = power_of_two ? guess : 1.0;
+  if (applied.data != nullptr && blockIdx.x == 0 && threadIdx.x == 0) store_scalar(applied, usable);
+  return usable;
+}
+
 // Partials are read through L2 (ld.global.cg): other blocks of the same launch wrote them.
 __device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
   // Every load of every term and divisor goes out before any is added: one trip to memory
@@ -78,13 +113,7 @@ __device__ __noinline__ void finish_partials(Finish finish, sum_t* scratch) {
     }
   }
   if (threadIdx.x != 0) return;
-  result *= finish.scale;
-  switch (finish.loss.dtype) {
-    case DType::kFloat64: store_as<double>(finish.loss.data, result); break;
-    case DType::kFloat16: store_as<c10::Half>(finish.loss.data, result); break;
-    case DType::kBFloat16: store_as<c10::BFloat16>(finish.loss.data, result); break;
-    case DType::kFloat32: store_as<float>(finish.loss.data, result); break;
-  }
+  store_scalar(finish.loss, result * finish.scale);
 }
 
 __global__ void finish_sum_kernel(Finish finish) {
@@ -118,25 +147,45 @@ __device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t
   if (threadIdx.x == 0) *finish.ticket = 0;  // ready for the stream's next launch
 }
 
-// The ticket of `stream`: a counter of the launch's finished blocks, zeroed once, that each
-// launch's last block sets back to 0. One per stream and device, since launches on one
-// stream never overlap and on two they may. Kept for the life of the process (4 bytes per
-// stream: torch's streams come from a fixed pool). From cudaMalloc, not torch's allocator:
-// memory kept for good must not sit in a CUDA graph's pool (torch.compile's
-// reduce-overhead mode allocates from one while it warms up).
+// What a build keeps per stream on the device. One per stream and device, since launches
+// on one stream never overlap and on two they may; zeroed once:
+//   ticket: a counter of the launch's finished blocks, that each launch's last block sets
+//     back to 0;
+//   grad_output: the last grad_output this build's backward saw there (0: none yet), the
+//     next forward's guess (grad_output_guess).
+// Kept for the life of the process (16 bytes per stream: torch's streams come from a fixed
+// pool). From cudaMalloc, not torch's allocator: memory kept for good must not sit in a
+// CUDA graph's pool (torch.compile's reduce-overhead mode allocates from one while it warms up).
 // nullptr while the stream is being captured into a CUDA graph: a graph may be replayed
 // on another stream, beside launches on this one. nullptr for cudaStreamPerThread too:
 // one handle that names another stream in each host thread.
-inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
+struct StreamState {
+  unsigned int ticket;
+  double grad_output;
+};
+
+inline StreamState* stream_state(int device, cudaStream_t stream) {
   if (stream == cudaStreamPerThread || is_capturing(stream)) return nullptr;
-  static Remembered<std::pair<int, cudaStream_t>, unsigned int*> tickets;
-  return tickets.get({device, stream}, [&] {
-    void* ticket = nullptr;
-    cuda_check(cudaMalloc(&ticket, sizeof(unsigned int)), "cudaMalloc of the finish ticket");
+  static Remembered<std::pair<int, cudaStream_t>, StreamState*> states;
+  return states.get({device, stream}, [&] {
+    void* state = nullptr;
+    cuda_check(cudaMalloc(&state, sizeof(StreamState)), "cudaMalloc of the stream's state");
     // Zeroed on `stream`, so the first launch there sees 0.
-    cuda_check(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream), "cudaMemsetAsync of the finish ticket");
-    return static_cast<unsigned int*>(ticket);
+    cuda_check(cudaMemsetAsync(state, 0, sizeof(StreamState), stream), "cudaMemsetAsync of the stream's state");
+    return static_cast<StreamState*>(state);
   });
+}
+
+inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
+  StreamState* state = stream_state(device, stream);
+  return state != nullptr ? &state->ticket : nullptr;
+}
+
+// Where a forward that guesses (call.guess.applied set) reads its guess: nullptr for none.
+inline const double* grad_output_guess_source(const GradOutputGuess& guess, const LaunchContext& context) {
+  if (guess.applied.data == nullptr) return nullptr;
+  StreamState* state = stream_state(context.device, context.stream);
+  return state != nullptr ? &state->grad_output : nullptr;
 }
 
 // What a loss kernel launched on the context's stream needs to finish the scalar `loss` itself.
@@ -162,16 +211,22 @@ inline void finish_without_ticket(const Finish& finish, const LaunchContext& con
 }
 
 // ---------------------------------------------------------------------------------
-// Backward of a scalar loss whose gradient the forward already wrote: multiply it by
-// grad_output in place. grad_output is read on the device (no host sync), and when it
-// is exactly 1, the usual loss.backward(), every block returns without touching memory.
+// Backward of a scalar loss whose gradient the forward already wrote (times its guess,
+// `applied`): multiply it by grad_output / applied in place. Both are read on the device
+// (no host sync), and when they are equal, as in the usual loss.backward() or a loop whose
+// loss scale holds from step to step, every block returns without touching memory.
+// grad_output becomes the stream's next guess (`guess`, nullptr: none kept).
 
 template <typename T, int VEC>
-__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output) {
+__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output, ScalarOut applied,
+                                            double* guess) {
   using acc_t = acc_type<T>;
   wait_for_previous_kernel();
-  const acc_t scale = static_cast<acc_t>(*grad_output);
-  if (scale == acc_t(1)) return;
+  const double wanted = static_cast<double>(static_cast<acc_t>(*grad_output));
+  if (guess != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *guess = wanted;
+  const double had = applied.data != nullptr ? load_scalar(applied) : 1.0;
+  if (wanted == had) return;
+  const acc_t scale = static_cast<acc_t>(wanted / had);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_packs = n / VEC;
@@ -188,9 +243,11 @@ __global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_ou
 
 // Not inline: the bindings call it from another translation unit (ops.h); each build
 // compiles this header once.
-void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output,
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
                                  const LaunchContext& context) {
   if (n == 0) return;
+  StreamState* state = stream_state(context.device, context.stream);
+  double* guess = state != nullptr ? &state->grad_output : nullptr;
   const int threads = 256;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -199,7 +256,7 @@ void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void*
     auto kernel = vector_ok ? scale_by_grad_output_kernel<T, VEC> : scale_by_grad_output_kernel<T, 1>;
     const int64_t grid = grid_for(kernel, vector_ok ? n / VEC + 1 : n, threads, context.device);
     launch_kernel(kernel, grid, threads, 0, 1, context.device, context.stream, static_cast<T*>(grad), n,
-                  static_cast<const T*>(grad_output));
+                  static_cast<const T*>(grad_output), applied, guess);
   });
 }
 

@@ -40,6 +40,15 @@ struct ScalarOut {
   DType dtype = DType::kFloat32;
 };
 
+// A scalar loss's forward may multiply the gradients it writes by a guess at the
+// grad_output that backward will bring: the last one this build's backward saw on the
+// stream (finish.cuh, grad_output_guess). Backward then divides the guess out, which costs
+// nothing when it came true. `applied` (one element, nullptr: no guess) is where the
+// forward records the factor it used, for that backward.
+struct GradOutputGuess {
+  ScalarOut applied;
+};
+
 // A pointwise loss over n elements of `dtype` (MSE, KL). Forward of a scalar reduction:
 // `loss` (and the gradients asked for, times `scale`); forward of 'none': loss_out;
 // backward of 'none': grad_output in, gradients out. Unused pointers are nullptr.
@@ -54,13 +63,16 @@ struct PointwiseCall {
   void* grad_input;
   void* grad_target;
   ScalarOut loss;
+  GradOutputGuess guess;
 };
 
 void mse_launch(const PointwiseCall& call, const LaunchContext& context);
 void kl_div_launch(const PointwiseCall& call, bool log_input, bool log_target, const LaunchContext& context);
 
-// In place: grad[0:n] *= *grad_output (one element of `dtype`, read on the GPU).
-void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output,
+// In place: grad[0:n] *= *grad_output / applied (one element each, read on the GPU; applied
+// is the forward's GradOutputGuess::applied, 1 where its data is nullptr). Records
+// grad_output as the stream's next guess.
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
                                  const LaunchContext& context);
 
 // One cross-entropy launch over (rows, classes) logits: a scalar reduction (`loss` set),
@@ -83,6 +95,7 @@ struct CrossEntropyCall {
   void* lse;                // (rows) in the accumulation type
   void* grad_logits;
   void* grad_target;
+  GradOutputGuess guess;
 };
 
 void cross_entropy_launch(const CrossEntropyCall& call, const LaunchContext& context);

@@ -40,11 +40,13 @@ def test_replay_on_new_inputs_matches_eager(name, reduction, dtype):
     grad_output = torch.full_like(probe, 2.5) if probe.dim() == 0 else torch.rand_like(probe) + 0.5
     graph, static_loss, static_grads = capture_step(fused, static_inputs, loss.grad_of, grad_output)
 
-    for _ in range(3):
+    for scale in (2.5, 0.125, 1.0):  # a scalar loss's grad_output changes between replays too
         new_inputs = loss.inputs(64, 1000, dtype)
         with torch.no_grad():
             for static, new in zip(static_inputs, new_inputs):
                 static.copy_(new)
+            if probe.dim() == 0:
+                grad_output.fill_(scale)
         graph.replay()
         eager_loss, eager_grads = loss_and_grads(fused, new_inputs, loss.grad_of, grad_output)
         torch.testing.assert_close(static_loss, eager_loss)

@@ -3,12 +3,14 @@ one (a scalar loss's gradient is written in the forward pass and scaled by grad_
 backward: the case that gets it wrong), create_graph, a second backward, .grad without a
 copy, forward-mode AD."""
 import itertools
+import math
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from helpers import LOSSES, check_against_float64
+import losses
+from helpers import FLOOR, LOSSES, check_against_float64, max_ulps, rel_err
 
 CASES = [(name, reduction, grad_of)
          for name, loss in LOSSES.items()
@@ -123,6 +125,83 @@ def test_gradient_becomes_grad_without_a_copy(name):
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < leaf.numel() * leaf.element_size()
     assert loss.grad_fn.name() == "FusedLossBackward"
+
+
+# ----------------------------------------------------------------------------------
+# The forward's guess at grad_output (kernels/ops.h, GradOutputGuess): the last one this
+# loss's backward saw on the stream, which spares backward a pass over the gradient when
+# it comes true ((loss / 8).backward(), a GradScaler). Right or wrong, the gradient is torch's.
+
+SCALES = [1.0, 0.125, 0.125, 3.0, 3.0, 2.0**15, 2.0**15, 0.0, 1.0, -1.0, -1.0, 2.0**-30, 2.0**-30, 0.375, 1.0]
+
+
+def recorded_guess(loss: torch.Tensor) -> float:
+    """The factor the loss's forward multiplied its gradients by, kept beside the loss."""
+    pair = torch.empty(0, dtype=loss.dtype, device=loss.device)
+    return pair.set_(loss.untyped_storage(), loss.storage_offset(), (2,), (1,))[1].item()
+
+
+def usable_guess(grad_output: float, dtype: torch.dtype) -> float:
+    """kernels/finish.cuh, grad_output_guess: what a forward takes from the last grad_output."""
+    mantissa, exponent = math.frexp(abs(grad_output))
+    return grad_output if dtype != torch.float16 and mantissa == 0.5 and -23 <= exponent <= 25 else 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name,reduction", SCALAR_CASES, ids=str)
+def test_guessed_grad_output_gives_torchs_gradient(name, reduction, dtype):
+    """Steps whose grad_output repeats (the guess comes true) or changes (it does not), with
+    guesses the forward must refuse (0, 3, tiny ones, float16's): the gradient is torch's, and
+    the same bits as without a guess (the compiled graphs' path, which makes none)."""
+    loss = LOSSES[name]
+    inputs = loss.inputs(7, 1000, dtype)
+    previous = None
+    for scale in SCALES:
+        grad_output = torch.tensor(scale, dtype=dtype, device="cuda")  # as the dtype holds it
+        leaves = [t.detach().requires_grad_(i in loss.grad_of) for i, t in enumerate(inputs)]
+        ours = loss.fused(reduction)(*leaves)
+        if previous is not None:
+            assert recorded_guess(ours) == usable_guess(previous, dtype), (scale, previous)
+        ours.backward(grad_output)
+        unguessed = [t.detach().requires_grad_(i in loss.grad_of) for i, t in enumerate(inputs)]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(losses, "is_compiling", lambda: True)  # the Python Functions, as compiled graphs
+            loss.fused(reduction)(*unguessed).backward(grad_output)
+        for i in loss.grad_of:
+            assert torch.equal(leaves[i].grad, unguessed[i].grad), (scale, i)
+        truth_leaves = [t.detach().double().requires_grad_(i in loss.grad_of) if t.is_floating_point() else t
+                        for i, t in enumerate(inputs)]
+        loss.reference(reduction)(*truth_leaves).backward(grad_output.double())
+        if dtype == torch.float16 and abs(scale) > 1:
+            previous = grad_output.item()
+            continue  # float16's gradient is rounded before a scale up (README, Limits): torch's is not
+        for i in loss.grad_of:
+            mine, truth = leaves[i].grad, truth_leaves[i].grad
+            if dtype in (torch.float16, torch.bfloat16):  # rounded, then scaled: twice
+                assert max_ulps(mine, truth) <= 2, (scale, i)
+            else:
+                assert rel_err(mine, truth) <= 2 * FLOOR[dtype], (scale, i)
+        previous = grad_output.item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_two_calls_scaled_differently_in_one_backward(name):
+    """Two calls of one loss whose backwards bring different grad_outputs, step after step:
+    each backward divides out the guess its own forward made."""
+    loss = LOSSES[name]
+    reduction = loss.reductions[0]
+    first, second = loss.inputs(7, 1000, torch.float32), loss.inputs(7, 1000, torch.float32)
+    for _ in range(4):
+        grads = []
+        for fn in (loss.fused(reduction), loss.reference(reduction)):
+            a = [t.detach().requires_grad_(i in loss.grad_of) for i, t in enumerate(first)]
+            b = [t.detach().requires_grad_(i in loss.grad_of) for i, t in enumerate(second)]
+            (0.25 * fn(*a) + 3.0 * fn(*b)).backward()
+            grads.append([a[i].grad for i in loss.grad_of] + [b[i].grad for i in loss.grad_of])
+        for mine, torchs in zip(*grads):
+            torch.testing.assert_close(mine, torchs)
 
 
 # ----------------------------------------------------------------------------------
