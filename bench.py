@@ -4,6 +4,7 @@
     python3 bench.py --quick              # fewer repetitions
     python3 bench.py --cases kl,ce-64     # only cases whose name contains one of these
     python3 bench.py --impls ours,eager --json out.json --plot out.png
+    python3 bench.py --vocab-parallel     # 2 GPUs: tp=2 cross-entropy, ours against Megatron's formula
 
 What it measures, per case (loss, shape, dtype) and implementation:
   ours     losses.kl_div(p, q, reduction='batchmean', log_input=False), losses.mse_loss,
@@ -629,6 +630,103 @@ def write_plot(path, results, impls):
 
 
 # ----------------------------------------------------------------------------------
+# Vocabulary-parallel cross-entropy (--vocab-parallel, 2 GPUs): ours with process_group= against
+# Megatron-LM's formula in torch ops, on the same shards of 8192 x 128256 bf16 logits.
+
+VOCAB_PARALLEL_CASE = (8192, 128256, torch.bfloat16)
+
+
+class MegatronCrossEntropy(torch.autograd.Function):
+    """Megatron-LM's tensor-parallel cross-entropy as torch ops ('mean' over rows): the
+    shard's max, shifted logits, exp and softmax are (N, V/tp) float32 tensors, the softmax
+    kept for backward, which turns it into the gradient in place."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start):
+        import torch.distributed as dist
+        shifted = logits.float()
+        row_max = shifted.max(dim=1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted -= row_max[:, None]
+        owned = (target >= vocab_start) & (target < vocab_start + logits.shape[1])
+        index = (target - vocab_start).clamp(0, logits.shape[1] - 1)
+        sums = torch.stack([shifted.exp().sum(dim=1), shifted.gather(1, index[:, None])[:, 0] * owned])
+        dist.all_reduce(sums, group=group)
+        softmax = shifted.exp_().div_(sums[0][:, None])
+        ctx.save_for_backward(softmax, index, owned)
+        ctx.dtype = logits.dtype
+        return (sums[0].log() - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, owned = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        softmax[rows, index] -= owned.float()
+        return softmax.mul_(grad / softmax.shape[0]).to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_worker(rank, store, reps, warmup, results):
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        rows, vocab, dtype = VOCAB_PARALLEL_CASE
+        width, start = vocab // 2, rank * (vocab // 2)
+        torch.manual_seed(0)  # every rank draws the whole logits and keeps its shard
+        full = torch.randn(rows, vocab, device="cuda", dtype=dtype)
+        shard = full[:, start:start + width].clone().requires_grad_()
+        target = torch.randint(0, vocab, (rows,), device="cuda")
+        del full
+        group = dist.group.WORLD
+        impls = {"ours": lambda x: losses.cross_entropy(x, target, process_group=group),
+                 "megatron": lambda x: MegatronCrossEntropy.apply(x, target, group, start)}
+        report = {}
+        for name, loss_fn in impls.items():
+            checked = shard.detach().clone().requires_grad_()
+            value = loss_fn(checked)
+            value.backward()
+            report[f"{name}_loss"], report[f"{name}_grad"] = value.item(), checked.grad
+            dist.barrier()
+            # Not host_ahead: its retry could run one rank's collectives without the other's.
+            times = training_step_times(loss_fn, [(shard,)], reps, warmup, host_ahead=False)
+            report[f"{name}_train_ms"] = statistics.median(times)
+            report[f"{name}_peak_extra_MB"] = peak_extra_bytes(loss_fn, [(shard,)]) / 2**20
+        ours_grad, megatron_grad = report.pop("ours_grad"), report.pop("megatron_grad")
+        report["grad_relative_difference"] = relative_error(ours_grad, megatron_grad)
+        if rank == 0:
+            report["gpu"] = torch.cuda.get_device_name()
+            results.put(report)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_vocab_parallel(reps, warmup) -> dict:
+    """Times a tp=2 training step (forward + backward of this rank's shard) on GPUs 0 and 1."""
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as folder:
+        processes = [context.Process(target=vocab_parallel_worker,
+                                     args=(rank, os.path.join(folder, "store"), reps, warmup, results))
+                     for rank in range(2)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+    if any(process.exitcode != 0 for process in processes) or results.empty():
+        raise RuntimeError(f"a vocab-parallel rank failed: exit codes {[p.exitcode for p in processes]}")
+    report = results.get()
+    rows, vocab, dtype = VOCAB_PARALLEL_CASE
+    print(f"\nVocabulary-parallel cross-entropy, tp=2, {rows}x{vocab} {DTYPE_NAMES[dtype]} (rank 0's shard "
+          f"{rows}x{vocab // 2}), {report['gpu']} x2, training step (forward + backward):")
+    for name in ("ours", "megatron"):
+        print(f"  {name:9s} {report[name + '_train_ms']:.3f} ms   peak extra {report[name + '_peak_extra_MB']:.0f} MB"
+              f"   loss {report[name + '_loss']:.6f}")
+    print(f"  gradient relative difference ours vs Megatron's formula: {report['grad_relative_difference']:.2e}")
+    return report
+
+
+# ----------------------------------------------------------------------------------
 # Entry points.
 
 def cpu_check():
@@ -669,6 +767,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", default="bench_out/bench.json", help="where to write the results")
     parser.add_argument("--plot", default="bench_out/bench.png", help="where to write the plot")
     parser.add_argument("--no-first-use", action="store_true", help="skip the first-use builds (about 1-2 minutes)")
+    parser.add_argument("--vocab-parallel", action="store_true",
+                        help="only the tp=2 cross-entropy over torch.distributed (NCCL, GPUs 0 and 1)")
     return parser.parse_args(argv)
 
 
@@ -686,9 +786,18 @@ def main(argv=None):
     if unknown:
         print(f"unknown --impls {','.join(unknown)}; choose from {','.join(IMPLS)}", file=sys.stderr)
         return 2
-    os.environ["FUSED_LOSSES_STRICT"] = "1"  # time our kernels, never a torch fallback
     reps = args.reps or (10 if args.quick else 50)
     warmup = 5 if args.quick else 10
+    if args.vocab_parallel:
+        os.environ.pop("FUSED_LOSSES_STRICT", None)  # its local work is torch ops for now
+        if torch.cuda.device_count() < 2:
+            print("--vocab-parallel needs 2 GPUs", file=sys.stderr)
+            return 2
+        report = run_vocab_parallel(reps, warmup)
+        write_json(args.json, {"torch": torch.__version__, "cuda": torch.version.cuda, "vocab_parallel": report})
+        close = abs(report["ours_loss"] - report["megatron_loss"]) <= 2e-2 * abs(report["megatron_loss"])
+        return 0 if close and report["grad_relative_difference"] <= 2e-2 else 1
+    os.environ["FUSED_LOSSES_STRICT"] = "1"  # time our kernels, never a torch fallback
     gpu = torch.cuda.get_device_name()
     copy_gbps = copy_bandwidth_gbps(reps)
     free_gpu_memory()
