@@ -14,6 +14,7 @@ Shards tile [0, V) in any rank order. A rank's first class is `vocab_start`, by 
 rank * C_r (equal shards). The layout is checked from values the all-reduces carry anyway:
 the first call with a new layout (as this rank sees it) reads them back once (one host sync)
 and raises if the shards do not tile [0, V); a later call whose shards do not tile gives NaN.
+Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
 The local work runs in torch ops, in float32 (float64 for float64 logits), on any device;
 the fused CUDA kernel for it is still to come, so on CUDA tensors FUSED_LOSSES_STRICT=1
@@ -38,20 +39,28 @@ def check_group_device(group, logits: torch.Tensor) -> None:
         raise ValueError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
 
 
-def _check_layout(group, local_classes, start, layout_sums, ends) -> None:
-    """Raises unless the shards tile [0, V): widths add up to V and the class ids they cover
-    add up to V (V - 1) / 2 (the first read of a layout is a host sync; then cached)."""
-    vocab = int(ends[0].item())
-    key = (id(group), local_classes, start, vocab)
+def _shards_tile(layout: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """Whether the shards (layout: every rank's first class and width, interleaved) tile
+    [0, V), on the device: sorted by first class, each starts where the last ended. Exact in
+    float32 up to 2^24 classes."""
+    starts, ends = layout[0::2], layout[0::2] + layout[1::2]
+    order = starts.argsort()
+    starts, ends = starts[order], ends[order]
+    return (starts[0] == 0) & (ends[-1] == vocab) & (starts[1:] == ends[:-1]).all()
+
+
+def _check_layout(group, local_classes, start, layout, vocab, tiled) -> None:
+    """Raises unless the shards tile [0, V) (the first read of a layout is a host sync; then cached)."""
+    key = (id(group), local_classes, start)
     if key in _checked_layouts:
         return
-    width_sum, id_sum, lowest = layout_sums[0].item(), layout_sums[1].item(), -ends[1].item()
-    if width_sum != vocab or id_sum != vocab * (vocab - 1) / 2 or lowest != 0:
+    if not bool(tiled.item()):
+        shards = [(int(first), int(first + width)) for first, width in layout.view(-1, 2).tolist()]
         raise ValueError(
-            f"cross_entropy: the vocabulary shards of the process group do not tile [0, V): this rank's shard "
-            f"is classes [{start}, {start + local_classes}), the shards end at V = {vocab} but their widths add "
-            f"up to {int(width_sum)} (the lowest first class is {int(lowest)}). Shards of unequal width need "
-            f"vocab_start= (each rank's first class id); without it a rank's first class is rank * C_r.")
+            f"cross_entropy: the vocabulary shards of the process group do not tile [0, V): the ranks' shards "
+            f"are classes {', '.join(f'[{a}, {b})' for a, b in shards)} (this rank's [{start}, "
+            f"{start + local_classes})), V = {int(vocab.item())}. Shards of unequal width need vocab_start= "
+            f"(each rank's first class id); without it a rank's first class is rank * C_r.")
     _checked_layouts.add(key)
 
 
@@ -68,11 +77,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows, local = x.shape
         w = weight.to(acc) if weight is not None else torch.ones(local, dtype=acc, device=x.device)
 
-        # All-reduce 1 (MAX): the row maxima, the vocabulary's end V and minus the lowest first class.
-        maxima = torch.cat([x.amax(1), x.new_tensor([start + local, -start])])
+        if start + local > 2**24 and acc == torch.float32:
+            raise ValueError(f"cross_entropy: process_group takes up to 2^24 classes with {logits.dtype} logits "
+                             f"(class ids travel in float32); this shard ends at class {start + local}")
+        # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
+        maxima = torch.cat([x.amax(1), x.new_tensor([start + local])])
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        row_max, ends = maxima[:rows], maxima[rows:]
-        vocab = ends[0]
+        row_max, vocab = maxima[:rows], maxima[rows]
         e = torch.exp(x - row_max[:, None])
         share = label_smoothing / vocab  # eps / V
         if probs:
@@ -86,14 +97,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit = torch.where(owned, x.gather(1, index[:, None])[:, 0], 0.0)
             target_weight = torch.where(owned, w[index], 0.0)
             local_sums = [e.sum(1), target_logit, target_weight, owned.to(acc), w.sum().expand(rows), (w * x).sum(1)]
-        # All-reduce 2 (SUM): the rows' sums, and this shard's width and the sum of its class ids.
-        layout = x.new_tensor([local, start * local + local * (local - 1) / 2])
-        sums = torch.cat([torch.stack(local_sums, 1).reshape(-1), layout])
+        # All-reduce 2 (SUM): the rows' sums, and every rank's first class and width (this rank's slots).
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layout = torch.zeros(2 * world, dtype=acc)
+        layout[2 * rank], layout[2 * rank + 1] = start, local
+        sums = torch.cat([torch.stack(local_sums, 1).reshape(-1), layout.to(x.device)])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        _check_layout(group, local, start, sums[-2:], ends)
-        columns = sums[:-2].reshape(rows, len(local_sums)).unbind(1)
+        layout = sums[rows * len(local_sums):]
+        tiled = _shards_tile(layout, vocab)
+        _check_layout(group, local, start, layout, vocab, tiled)
+        columns = sums[:rows * len(local_sums)].reshape(rows, len(local_sums)).unbind(1)
         # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
-        tiled = (sums[-2] == vocab) & (sums[-1] == vocab * (vocab - 1) / 2) & (ends[1] == 0)
         lse = torch.where(tiled, row_max + columns[0].log(), float("nan"))
         weights_sum, weighted_logits = columns[-2], columns[-1]  # sum_c w_c, sum_c w_c x_c
         p = e / columns[0][:, None]
