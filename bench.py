@@ -778,7 +778,18 @@ def selected_cases(filter_text):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    """bench.py's command line as a function (the notebook calls it): strict mode only while it runs."""
+    strict = os.environ.get("FUSED_LOSSES_STRICT")
+    try:
+        return run(parse_args(argv))
+    finally:
+        if strict is None:
+            os.environ.pop("FUSED_LOSSES_STRICT", None)
+        else:
+            os.environ["FUSED_LOSSES_STRICT"] = strict
+
+
+def run(args):
     if not torch.cuda.is_available():
         return cpu_check()
     impls = [impl for impl in args.impls.split(",") if impl]
