@@ -8,7 +8,7 @@ Copied into a project as a package (any folder name):
 # module while collecting the folder, where relative imports have no parent package.
 if __package__:
     from . import loader, losses
-    from .losses import (CrossEntropyLoss, KLDivLoss, MSELoss, cross_entropy, kl_div,  # noqa: F401
-                         mse_loss)
+    from .losses import (CrossEntropyLoss, KLDivLoss, LinearCrossEntropyLoss, MSELoss, cross_entropy,  # noqa: F401
+                         kl_div, linear_cross_entropy, mse_loss)
 
     __all__ = ["loader", "losses", *losses.__all__]

@@ -27,12 +27,15 @@ from torch.autograd import forward_ad
 from torch.nn import _reduction
 
 if __package__:  # copied into a project as a package: from fused_losses import losses
+    from . import linear_ce
     from . import loader, vocab_parallel
 else:  # a plain folder on sys.path, or a notebook's working directory: import losses
+    import linear_ce
     import loader
     import vocab_parallel
 
-__all__ = ["cross_entropy", "kl_div", "mse_loss", "CrossEntropyLoss", "KLDivLoss", "MSELoss"]
+__all__ = ["cross_entropy", "kl_div", "mse_loss", "linear_cross_entropy", "CrossEntropyLoss", "KLDivLoss", "MSELoss",
+           "LinearCrossEntropyLoss"]
 
 # torch.compile traces the losses through stable custom ops (torch >= 2.4: register_fake).
 COMPILE_OPS = hasattr(torch.library, "register_fake")
@@ -787,3 +790,89 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
                              reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
                              return_lse=self.return_lse, inplace_backward=self.inplace_backward,
                              process_group=self.process_group, vocab_start=self.vocab_start)
+
+
+# ----------------------------------------------------------------------------------
+# Linear + cross-entropy (linear_ce.py): the logits never exist whole.
+
+def _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                                          softcap) -> None:
+    """Every argument checked before any work, as ValueErrors that name it."""
+    if input.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"input must be (..., H) and weight (V, H); got input {tuple(input.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input's last dimension H = {input.shape[-1]} differs from weight's "
+                         f"(V, H) = {tuple(weight.shape)}")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.device != input.device:
+            raise ValueError(f"{name} is on {tensor.device}, input on {input.device}: they must share a device")
+        if tensor is not None and tensor.dtype != input.dtype and not _under_autocast(input):
+            raise ValueError(f"{name} has dtype {tensor.dtype}, input {input.dtype}: they must match (outside "
+                             f"autocast, as F.linear requires)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), one value per class, got {tuple(bias.shape)}")
+    if target.device != input.device:
+        raise _device_error("target", target, input)
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target must have input's leading shape {tuple(input.shape[:-1])}, got "
+                         f"{tuple(target.shape)}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target must hold class indices as int64 or int32, got {target.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
+def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                         return_lse: bool = False):
+    """F.cross_entropy(F.linear(input, weight, bias), target, ...) without the logits in memory:
+    a chunk of rows at a time (linear_ce.py), the gradients of input, weight and
+    bias computed as it goes.
+
+    input (..., H), weight (V, H), bias (V,), target: class indices (int64 or int32) of shape
+    input.shape[:-1]. softcap: the logits become softcap * tanh(logits / softcap) first (Gemma 2).
+    z_loss and return_lse as in cross_entropy (lse in target's shape, float32). Under CUDA
+    autocast the linear runs in autocast's dtype and the loss is float32, as torch's.
+    No fused kernel yet: torch ops, so on CUDA FUSED_LOSSES_STRICT=1 makes it raise.
+    """
+    _check_reduction(reduction, ("none", "mean", "sum"))
+    _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                                          softcap)
+    _check_fallback_allowed("linear_cross_entropy", "it runs torch ops a chunk at a time (no fused kernel yet)",
+                            input)
+    float_loss = False
+    if _under_autocast(input):  # F.linear in autocast's dtype, the loss in float32
+        dtype = torch.get_autocast_dtype("cuda") if hasattr(torch, "get_autocast_dtype") else torch.get_autocast_gpu_dtype()
+        input, weight = input.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        float_loss = True
+    with torch.autocast(input.device.type, enabled=False):
+        options = (int(ignore_index), float(label_smoothing), float(z_loss),
+                   None if softcap is None else float(softcap), reduction, float_loss)
+        loss, lse = linear_ce.LinearCrossEntropyFunction.apply(input.reshape(-1, input.shape[-1]), weight, bias,
+                                                                 target.reshape(-1), options)
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    return (loss, lse.reshape(target.shape)) if return_lse else loss
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """linear_cross_entropy as a module: forward(input, weight, target, bias=None)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
+                 z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False) -> None:
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse
+
+    def forward(self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None):
+        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index,
+                                    reduction=self.reduction, label_smoothing=self.label_smoothing,
+                                    z_loss=self.z_loss, softcap=self.softcap, return_lse=self.return_lse)

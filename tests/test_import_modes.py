@@ -6,7 +6,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT_FILES = ["__init__.py", "losses.py", "loader.py", "vocab_parallel.py", "kernels"]
+PROJECT_FILES = ["__init__.py", "losses.py", "loader.py", "vocab_parallel.py", "linear_ce.py", "kernels"]
 
 CHECK_LOSSES = """
 import torch, torch.nn.functional as F
