@@ -33,7 +33,7 @@ def _chunk_rows(vocab: int) -> int:
 def _loss_and_grads(x, weight, bias, target, options, row_scale, wants):
     """Per-row loss and lse of (N, H) x against (V, H) weight, and, for each of wants
     (input, weight, bias) asked for, the gradient of sum_rows(row_scale * loss_row); row_scale
-    is 0-dim or (N,). Ignored rows: loss 0, gradient 0."""
+    is 0-dim or (N,). Ignored rows: loss 0, gradient 0; rows whose class is outside [0, V): NaN."""
     ignore_index, label_smoothing, z_loss, softcap = options
     acc = _accumulation_dtype(x.dtype)
     rows, vocab = x.shape[0], weight.shape[0]
@@ -49,11 +49,13 @@ def _loss_and_grads(x, weight, bias, target, options, row_scale, wants):
             logits = torch.tanh(logits / softcap).mul_(softcap)
         t = target[start:end]
         counted = t != ignore_index
-        index = torch.where(counted, t, 0).long()
+        # A class outside [0, V): NaN for its row, as cross_entropy's kernels give (no device assert).
+        invalid = counted & ((t < 0) | (t >= vocab))
+        index = torch.where(counted & ~invalid, t, 0).long()
         row_lse = torch.logsumexp(logits, 1)
         target_logit = logits.gather(1, index[:, None])[:, 0]
         ce = (1 - label_smoothing) * (row_lse - target_logit) + label_smoothing * (row_lse - logits.mean(1))
-        loss[start:end] = torch.where(counted, ce + z_loss * row_lse.square(), 0.0)
+        loss[start:end] = torch.where(invalid, float("nan"), torch.where(counted, ce + z_loss * row_lse.square(), 0.0))
         lse[start:end] = row_lse
         if not any(wants):
             continue
@@ -63,6 +65,7 @@ def _loss_and_grads(x, weight, bias, target, options, row_scale, wants):
         grad[torch.arange(end - start, device=x.device), index] -= 1 - label_smoothing
         scale = row_scale if row_scale.dim() == 0 else row_scale[start:end, None]
         grad = torch.where(counted[:, None], grad * scale, 0.0)  # 0, not 0 * inf, with no row counted
+        grad = torch.where(invalid[:, None], float("nan"), grad)
         if softcap is not None:
             grad.mul_(1 - (logits / softcap).square())
         if wants[0]:

@@ -82,6 +82,18 @@ def test_every_row_ignored_gives_torchs_nan_and_zero_gradients():
     assert torch.equal(x.grad, torch.zeros_like(x))
 
 
+def test_a_class_outside_the_vocabulary_gives_nan_for_its_row_only():
+    """As cross_entropy's kernels: no device-side assert (it would poison a CUDA context)."""
+    x, w, t, b = make_inputs((4,), 8, 20, torch.float64, "cpu")
+    t = torch.tensor([3, 20, -100, -5])
+    x.requires_grad_()
+    rows = losses.linear_cross_entropy(x, w, t, b, reduction="none")
+    assert torch.isnan(rows[[1, 3]]).all() and rows[2] == 0
+    torch.testing.assert_close(rows[0], F.cross_entropy(F.linear(x[:1], w, b), t[:1], reduction="none")[0])
+    rows.sum().backward()
+    assert torch.isnan(x.grad[[1, 3]]).all() and not torch.isnan(x.grad[[0, 2]]).any()
+
+
 @pytest.mark.parametrize("case,call,message", [
     ("H differs", lambda x, w, t, b: losses.linear_cross_entropy(x[..., :7], w, t, b), "differs from weight"),
     ("weight dtype", lambda x, w, t, b: losses.linear_cross_entropy(x, w.double(), t, b), "weight has dtype"),
