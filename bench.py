@@ -47,8 +47,9 @@ memory allocated just before it (inputs already allocated); it includes the grad
 After timing, each implementation's training step ((loss / 8).backward() on copies of the
 inputs) and its no-grad loss are compared with eager's (in float32 for fp16/bf16 inputs): loss
 within a relative 1e-4 (fp32) or 2e-2 (fp16/bf16), gradient within the same norm-wise
-relative error. The 'check' column says ok or MISMATCH; a MISMATCH of ours makes the run exit 1. Ours runs in strict mode
-(FUSED_LOSSES_STRICT=1): a torch fallback raises rather than being timed.
+relative error. The 'check' column says ok or MISMATCH; a MISMATCH of ours makes the run
+exit 1. Ours runs in strict mode (FUSED_LOSSES_STRICT=1): a torch fallback raises rather
+than being timed.
 
 First use: each loss's first call in a fresh process with an empty temporary kernel cache
 (the build of its kernel, then the call; one loss at a time, as a user meets it), and the

@@ -637,6 +637,10 @@ def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_sm
                              f"(class dim 1), got {tuple(target.shape)}")
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != num_classes):
         raise ValueError(f"weight must have shape ({num_classes},), one value per class, got {tuple(weight.shape)}")
+    _check_smoothing_and_z_loss(label_smoothing, z_loss)
+
+
+def _check_smoothing_and_z_loss(label_smoothing: float, z_loss: float) -> None:
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
     if not z_loss >= 0.0:
@@ -804,25 +808,21 @@ def _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_in
     if input.shape[-1] != weight.shape[1]:
         raise ValueError(f"input's last dimension H = {input.shape[-1]} differs from weight's "
                          f"(V, H) = {tuple(weight.shape)}")
+    _check_same_device(input, target, weight)
+    if bias is not None and bias.device != input.device:
+        raise _device_error("bias", bias, input)
     for name, tensor in (("weight", weight), ("bias", bias)):
-        if tensor is not None and tensor.device != input.device:
-            raise ValueError(f"{name} is on {tensor.device}, input on {input.device}: they must share a device")
         if tensor is not None and tensor.dtype != input.dtype and not _under_autocast(input):
             raise ValueError(f"{name} has dtype {tensor.dtype}, input {input.dtype}: they must match (outside "
                              f"autocast, as F.linear requires)")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), one value per class, got {tuple(bias.shape)}")
-    if target.device != input.device:
-        raise _device_error("target", target, input)
     if tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"target must have input's leading shape {tuple(input.shape[:-1])}, got "
                          f"{tuple(target.shape)}")
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target must hold class indices as int64 or int32, got {target.dtype}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
-    if not z_loss >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    _check_smoothing_and_z_loss(label_smoothing, z_loss)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
 
