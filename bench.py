@@ -5,6 +5,7 @@
     python3 bench.py --cases kl,ce-64     # only cases whose name contains one of these
     python3 bench.py --impls ours,eager --json out.json --plot out.png
     python3 bench.py --vocab-parallel     # 2 GPUs: tp=2 cross-entropy, ours against Megatron's formula
+    python3 bench.py --linear             # linear + cross-entropy on LLM shapes (--linear-bench below)
 
 What it measures, per case (loss, shape, dtype) and implementation:
   ours     losses.kl_div(p, q, reduction='batchmean', log_input=False), losses.mse_loss,
@@ -728,6 +729,133 @@ def run_vocab_parallel(reps, warmup) -> dict:
 
 
 # ----------------------------------------------------------------------------------
+# Linear + cross-entropy (--linear): a training step's loss from the last hidden states (N, H)
+# and the output layer's weight (V, H), bf16, 5% of targets ignored, gradients of both.
+#   floor      the step's three matrix products alone: x @ w.T, g @ w, g.T @ x
+#   ours       losses.linear_cross_entropy
+#   eager      F.cross_entropy(F.linear(x, w), target) (softcap: s * tanh(logits / s) between)
+#   compile    torch.compile (default mode) of eager
+#   liger      Liger-Kernel's LigerFusedLinearCrossEntropyLoss, when importable
+#   cce        Cut Cross-Entropy's linear_cross_entropy (default: small gradients filtered out),
+#   cce_exact  and with filter_eps=None, when importable
+# The implementations take turns, LINEAR_ROUNDS rounds of steps each between two CUDA events, so
+# that the GPU's clock (an H100 at its 700 W limit runs these at 1.3-1.6 GHz) falls on all alike.
+# Peak extra MB: peak allocated during one step, minus what was allocated before it, minus the
+# gradients it returns (no .grad held before the step). The check compares the loss and both
+# gradients with eager's (relative norm-wise error <= 2e-2).
+
+LINEAR_CASES = (("Llama 3", 8192, 4096, 128256, None), ("Llama 3, longer", 16384, 4096, 128256, None),
+                ("Gemma 2 2B", 8192, 2304, 256000, 30.0))
+LINEAR_ROUNDS = 3
+
+
+def linear_ce_impls(softcap) -> dict:
+    def eager(x, w, t):
+        logits = F.linear(x, w)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return F.cross_entropy(logits, t)
+
+    impls = {"ours": lambda x, w, t: losses.linear_cross_entropy(x, w, t, softcap=softcap),
+             "eager": eager, "compile": torch.compile(eager)}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
+        impls["liger"] = lambda x, w, t: liger(w, x, t)
+    except Exception as error:  # not installed, or triton failing to import
+        print(f"liger: not importable ({type(error).__name__}: {error})", file=sys.stderr)
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+        impls["cce"] = lambda x, w, t: cce(x, w, t, softcap=softcap)
+        impls["cce_exact"] = lambda x, w, t: cce(x, w, t, softcap=softcap, filter_eps=None)
+    except Exception as error:
+        print(f"cce: not importable ({type(error).__name__}: {error})", file=sys.stderr)
+    return impls
+
+
+def run_linear_case(name, rows, hidden, vocab, softcap, reps, warmup) -> list[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), device="cuda").masked_fill_(torch.rand(rows, device="cuda") < 0.05, -100)
+    grad_bytes = (x.numel() + w.numel()) * 2
+    impls = linear_ce_impls(softcap)
+
+    def step(loss_fn):
+        x.grad = w.grad = None
+        loss_fn(x, w, target).backward()
+
+    def floor():
+        with torch.no_grad():
+            g = x @ w.t()
+            g @ w, g.t() @ x
+
+    steps = {"floor": floor, **{impl: functools.partial(step, loss_fn) for impl, loss_fn in impls.items()}}
+    times = {impl: [] for impl in steps}
+    for impl, run_step in steps.items():  # warm-up: builds, compilation, autotuning
+        for _ in range(warmup):
+            run_step()
+    for _ in range(LINEAR_ROUNDS):
+        for impl, run_step in steps.items():
+            for _ in range(max(1, reps // LINEAR_ROUNDS)):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run_step()
+                end.record()
+                end.synchronize()
+                times[impl].append(start.elapsed_time(end))
+    results = []
+    x.grad = w.grad = None
+    eager = None
+    for impl in steps:
+        free_gpu_memory()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if impl == "floor":
+            floor()
+            extra = None
+        else:
+            value = impls[impl](x, w, target)
+            value.backward()
+            extra = (torch.cuda.max_memory_allocated() - before - grad_bytes) / 2**20
+            outputs = (value.detach().float(), x.grad, w.grad)
+            x.grad = w.grad = None
+            if impl == "eager":
+                eager = outputs
+        results.append({"case": name, "shape": [rows, hidden, vocab], "softcap": softcap, "impl": impl,
+                        "train_ms": statistics.median(times[impl]), "peak_extra_MB": extra,
+                        "outputs": None if impl == "floor" else outputs})
+    floor_ms = results[0]["train_ms"]
+    for result in results:
+        outputs = result.pop("outputs")
+        result["x_floor"] = result["train_ms"] / floor_ms
+        if outputs is not None:
+            errors = [relative_error(ours, reference) for ours, reference in zip(outputs, eager)]
+            result["check"] = "ok" if max(errors) <= 2e-2 else "MISMATCH " + ", ".join(f"{e:.2g}" for e in errors)
+    del eager
+    free_gpu_memory()
+    return results
+
+
+def run_linear(reps, warmup) -> list[dict]:
+    results = []
+    for case in LINEAR_CASES:
+        results.extend(run_linear_case(*case, reps, warmup))
+    gpu = torch.cuda.get_device_name()
+    print(f"\nLinear + cross-entropy training step (bf16, forward + backward of input and weight), {gpu}:")
+    print(f"  {'case':17s} {'impl':10s} {'ms':>8s} {'x floor':>8s} {'peak extra MB':>14s} {'ours faster':>12s}  check")
+    for case_results in (results[i:i + len(results) // len(LINEAR_CASES)] for i in
+                         range(0, len(results), len(results) // len(LINEAR_CASES))):
+        ours_ms = next(r["train_ms"] for r in case_results if r["impl"] == "ours")
+        for r in case_results:
+            extra = "-" if r["peak_extra_MB"] is None else f"{r['peak_extra_MB']:.0f}"
+            faster = "-" if r["impl"] in ("floor", "ours") else f"{r['train_ms'] / ours_ms:.2f}x"
+            print(f"  {r['case']:17s} {r['impl']:10s} {r['train_ms']:8.2f} {r['x_floor']:8.2f} {extra:>14s} "
+                  f"{faster:>12s}  {r.get('check', '')}")
+    return results
+
+
+# ----------------------------------------------------------------------------------
 # Entry points.
 
 def cpu_check():
@@ -768,6 +896,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", default="bench_out/bench.json", help="where to write the results")
     parser.add_argument("--plot", default="bench_out/bench.png", help="where to write the plot")
     parser.add_argument("--no-first-use", action="store_true", help="skip the first-use builds (about 1-2 minutes)")
+    parser.add_argument("--linear", action="store_true",
+                        help="only linear + cross-entropy on Llama 3 and Gemma 2 shapes (LINEAR_CASES)")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="only the tp=2 cross-entropy over torch.distributed (NCCL, GPUs 0 and 1)")
     return parser.parse_args(argv)
@@ -810,6 +940,11 @@ def run(args):
         close = abs(report["ours_loss"] - report["megatron_loss"]) <= 2e-2 * abs(report["megatron_loss"])
         return 0 if close and report["grad_relative_difference"] <= 2e-2 else 1
     os.environ["FUSED_LOSSES_STRICT"] = "1"  # time our kernels, never a torch fallback
+    if args.linear:
+        results = run_linear(args.reps or (6 if args.quick else 15), 2 if args.quick else 3)
+        write_json(args.json, {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "cuda": torch.version.cuda, "linear": results})
+        return 0 if all(r.get("check", "ok") == "ok" for r in results if r["impl"] == "ours") else 1
     gpu = torch.cuda.get_device_name()
     copy_gbps = copy_bandwidth_gbps(reps)
     free_gpu_memory()

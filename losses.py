@@ -831,21 +831,18 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                          return_lse: bool = False):
-    """F.cross_entropy(F.linear(input, weight, bias), target, ...) without the logits in memory:
-    a chunk of rows at a time (linear_ce.py), the gradients of input, weight and
-    bias computed as it goes.
+    """F.cross_entropy(F.linear(input, weight, bias), target, ...) without the (N, V) logits in
+    memory: a chunk of the vocabulary at a time (linear_ce.py), the logits computed again in
+    backward.
 
     input (..., H), weight (V, H), bias (V,), target: class indices (int64 or int32) of shape
     input.shape[:-1]. softcap: the logits become softcap * tanh(logits / softcap) first (Gemma 2).
     z_loss and return_lse as in cross_entropy (lse in target's shape, float32). Under CUDA
     autocast the linear runs in autocast's dtype and the loss is float32, as torch's.
-    No fused kernel yet: torch ops, so on CUDA FUSED_LOSSES_STRICT=1 makes it raise.
     """
     _check_reduction(reduction, ("none", "mean", "sum"))
     _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
                                           softcap)
-    _check_fallback_allowed("linear_cross_entropy", "it runs torch ops a chunk at a time (no fused kernel yet)",
-                            input)
     float_loss = False
     if _under_autocast(input):  # F.linear in autocast's dtype, the loss in float32
         dtype = torch.get_autocast_dtype("cuda") if hasattr(torch, "get_autocast_dtype") else torch.get_autocast_gpu_dtype()
@@ -853,10 +850,10 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
         bias = None if bias is None else bias.to(dtype)
         float_loss = True
     with torch.autocast(input.device.type, enabled=False):
-        options = (int(ignore_index), float(label_smoothing), float(z_loss),
-                   None if softcap is None else float(softcap), reduction, float_loss)
+        options = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction)
         loss, lse = linear_ce.LinearCrossEntropyFunction.apply(input.reshape(-1, input.shape[-1]), weight, bias,
-                                                                 target.reshape(-1), options)
+                                                                 target.reshape(-1).contiguous(), options)
+        loss = loss.to(torch.float32 if float_loss else input.dtype)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return (loss, lse.reshape(target.shape)) if return_lse else loss

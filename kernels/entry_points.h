@@ -396,4 +396,65 @@ inline void force_cross_entropy_path(const std::string& path) {
   run_kernels([&] { set_forced_cross_entropy_path(path.c_str()); });
 }
 
+// ---------------------------------------------------------------------------------
+// Linear cross-entropy's row passes over one vocabulary chunk of logits (linear_ce.py).
+
+// A chunk's call: (rows, width) logits, contiguous, classes [class_start, class_start +
+// width) of `classes`; (rows,) class indices; per-row tensors (rows,) or (k, rows) in the
+// accumulation type.
+inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
+                                       int64_t classes, double softcap) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(),
+              "linear_cross_entropy: logits must be a contiguous (rows, width) CUDA tensor");
+  TORCH_CHECK(target.device() == logits.device() && target.dim() == 1 && target.size(0) == logits.size(0) &&
+                  target.is_contiguous() && (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
+              "linear_cross_entropy: target must be (rows,) contiguous int64 or int32 on the logits' device");
+  TORCH_CHECK(class_start >= 0 && class_start + logits.size(1) <= classes,
+              "linear_cross_entropy: the chunk's classes must lie in [0, classes)");
+  LogitChunkCall call{};
+  call.dtype = dtype_of(logits);
+  call.rows = logits.size(0);
+  call.width = logits.size(1);
+  call.class_start = class_start;
+  call.classes = classes;
+  call.logits = logits.data_ptr();
+  call.target = target.data_ptr();
+  call.target_int32 = target.scalar_type() == at::kInt;
+  call.softcap = softcap;
+  return call;
+}
+
+inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits, int64_t leading, const char* name) {
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(tensor.device() == logits.device() && tensor.scalar_type() == acc && tensor.is_contiguous() &&
+                  tensor.numel() == leading * logits.size(0),
+              "linear_cross_entropy: ", name, " must hold ", leading, " x rows contiguous values of the "
+              "accumulation type on the logits' device");
+}
+
+// Forward: folds the chunk into stats (4, rows): running max, sum of exp, target logit, logit sum.
+inline void linear_cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
+                                         int64_t classes, at::Tensor stats, double softcap) {
+  CallContext context(logits);
+  LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
+  check_row_tensor(stats, logits, 4, "stats");
+  call.stats = stats.data_ptr();
+  run_kernels([&] { logit_chunk_stats_launch(call, context.launch()); });
+}
+
+// Backward: overwrites the chunk with its gradient, given each row's lse and scale.
+inline void linear_cross_entropy_backward(at::Tensor logits, const at::Tensor& target, int64_t class_start,
+                                          int64_t classes, const at::Tensor& lse, const at::Tensor& row_scale,
+                                          double label_smoothing, double z_loss, double softcap) {
+  CallContext context(logits);
+  LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
+  check_row_tensor(lse, logits, 1, "lse");
+  check_row_tensor(row_scale, logits, 1, "row_scale");
+  call.lse = lse.data_ptr();
+  call.row_scale = row_scale.data_ptr();
+  call.label_smoothing = label_smoothing;
+  call.z_loss = z_loss;
+  run_kernels([&] { logit_chunk_gradient_launch(call, context.launch()); });
+}
+
 }  // namespace fused_losses

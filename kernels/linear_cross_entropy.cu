@@ -1,0 +1,180 @@
+// linear_cross_entropy.cu: the two row passes of linear_ce.py's linear + cross-entropy,
+// each over one vocabulary chunk of the logits, z = x W[c0:c1]^T + b (rows, width), that
+// a matrix product just wrote. The (rows, classes) logits never exist whole: the forward
+// folds each chunk into per-row running statistics, the backward recomputes each chunk and
+// turns it into its gradient in place, which the next two matrix products consume.
+//
+// With softcap s the logits are z' = s tanh(z / s) (Gemma 2), and dz'/dz = 1 - (z'/s)^2.
+//   stats:    (4, rows) in the accumulation type: running max m, sum of exp(z' - m), the
+//             target's z' (0 until its chunk comes) and the sum of z' (label smoothing).
+//   gradient: d/dz_c = r (p_c (1 + 2 z_loss lse) - eps / classes - (1 - eps) [c == t]) dz'/dz,
+//             p_c = exp(z'_c - lse), r the row's scale (grad_output times the reduction's
+//             factor; 0 for an ignored row, whose gradient is written as 0; NaN for a
+//             class outside [0, classes), which the forward marked NaN).
+// Bytes per logit (b = element size): stats b, gradient 2b. One warp per row: a chunk
+// is a few thousand classes wide.
+
+#include <type_traits>
+
+#include "device.cuh"
+#include "finish.cuh"
+#include "launch.cuh"
+
+namespace fused_losses {
+
+constexpr int kChunkThreads = 256;  // 8 rows a block
+
+constexpr int kUnroll = 4;          // packs a lane loads before it uses the first
+
+// tanh for logits of a 2-byte dtype: 1 - 2 / (e^2|y| + 1) with the hardware's exp and
+// division, absolute error about 1e-7 (the logits carry 2^-9), in a fraction of tanhf's
+// instructions (softcap 30, 8192 x 256000 bf16: tanhf doubled the stats pass, 32 -> 68 us a chunk).
+template <typename T>
+__device__ __forceinline__ acc_type<T> tanh_for(acc_type<T> y) {
+  if constexpr (sizeof(T) == 2) {
+    return copysignf(1.f - __fdividef(2.f, exp2_flush_subnormal(fabsf(y) * (2 * kLog2e)) + 1.f), y);
+  } else if constexpr (std::is_same_v<acc_type<T>, double>) {
+    return tanh(y);
+  } else {
+    return tanhf(y);
+  }
+}
+
+template <typename T>
+struct Softcap {
+  using acc_t = acc_type<T>;
+  acc_t cap, inverse;  // cap 0: none. A product, not a division per logit (a division's
+                       // dozen instructions made the passes compute-bound)
+  __device__ explicit Softcap(double softcap) : cap(softcap), inverse(softcap > 0 ? 1 / softcap : 0) {}
+  __device__ __forceinline__ acc_t apply(acc_t z) const { return cap > 0 ? cap * tanh_for<T>(z * inverse) : z; }
+  __device__ __forceinline__ acc_t derivative(acc_t capped) const {
+    return cap > 0 ? acc_t(1) - (capped * inverse) * (capped * inverse) : acc_t(1);
+  }
+};
+
+__device__ __forceinline__ int64_t target_of(const void* target, bool target_int32, int64_t row) {
+  return target_int32 ? static_cast<const int32_t*>(target)[row] : static_cast<const int64_t*>(target)[row];
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitChunkCall call) {
+  using acc_t = acc_type<T>;
+  wait_for_previous_kernel();
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
+  if (row >= call.rows) return;
+  const Softcap<T> softcap(call.softcap);
+  const T* z = static_cast<const T*>(call.logits) + row * call.width;
+  // Per lane: a running max and sum of exp, rescaled once per pack.
+  acc_t m = -infinity<acc_t>(), s = 0, sum = 0;
+  for (int64_t first = int64_t(lane) * VEC; first < call.width; first += 32 * VEC * kUnroll) {
+    Pack<T, VEC> packs[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * 32 * VEC < call.width) packs[u] = load_pack<T, VEC>(z + first + u * 32 * VEC);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * 32 * VEC >= call.width) break;
+      acc_t v[VEC];
+      acc_t pack_max = -infinity<acc_t>();
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        v[k] = softcap.apply(static_cast<acc_t>(packs[u].val[k]));
+        pack_max = max_acc(pack_max, v[k]);
+        sum += v[k];
+      }
+      if (pack_max > m) {  // from -inf too: exp(-inf) = 0, and a NaN sum stays NaN
+        s *= exp_minus<T>(m, pack_max);
+        m = pack_max;
+      }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
+    }
+  }
+  // The warp's max, each lane's sum moved onto it, then the row's.
+  const acc_t row_max = warp_allreduce(m, MaxOp());
+  s = m == row_max ? s : s * exp_minus<T>(m, row_max);
+  s = warp_allreduce(s, SumOp<acc_t>());
+  sum = warp_allreduce(sum, SumOp<acc_t>());
+  if (lane != 0) return;
+  acc_t* stats = static_cast<acc_t*>(call.stats);
+  acc_t& run_max = stats[row];
+  acc_t& run_sum = stats[call.rows + row];
+  // A NaN logit lives on in the sums (max_acc drops it).
+  const acc_t new_max = max_acc(run_max, row_max);
+  run_sum = (run_max == new_max ? run_sum : run_sum * exp_minus<T>(run_max, new_max)) +
+            (row_max == new_max ? s : s * exp_minus<T>(row_max, new_max));
+  run_max = new_max;
+  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
+  if (t >= 0 && t < call.width) stats[2 * call.rows + row] = softcap.apply(static_cast<acc_t>(z[t]));
+  stats[3 * call.rows + row] += sum;
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(LogitChunkCall call) {
+  using acc_t = acc_type<T>;
+  wait_for_previous_kernel();
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
+  if (row >= call.rows) return;
+  const Softcap<T> softcap(call.softcap);
+  T* z = static_cast<T*>(call.logits) + row * call.width;
+  const acc_t r = static_cast<const acc_t*>(call.row_scale)[row];
+  const acc_t lse = static_cast<const acc_t*>(call.lse)[row];
+  const acc_t eps = static_cast<acc_t>(call.label_smoothing);
+  const acc_t a = r * (acc_t(1) + acc_t(2 * call.z_loss) * lse);
+  const acc_t b = r * eps / static_cast<acc_t>(call.classes);
+  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
+  for (int64_t first = int64_t(lane) * VEC; first < call.width; first += 32 * VEC * kUnroll) {
+    Pack<T, VEC> packs[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * 32 * VEC < call.width) packs[u] = load_pack<T, VEC>(z + first + u * 32 * VEC);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = first + u * 32 * VEC;
+      if (i >= call.width) break;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const acc_t capped = softcap.apply(static_cast<acc_t>(packs[u].val[k]));
+        acc_t g = a * exp_minus<T>(capped, lse) - b;
+        if (i + k == t) g -= r * (acc_t(1) - eps);
+        // An ignored row: 0, not 0 times an infinite logit's terms.
+        packs[u].val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * softcap.derivative(capped));
+      }
+      store_pack<T, VEC>(z + i, packs[u]);
+    }
+  }
+}
+
+template <typename Pick>
+void launch_logit_chunk(const LogitChunkCall& call, const LaunchContext& context, Pick pick) {
+  if (call.rows == 0 || call.width == 0) return;
+  dispatch_dtype(call.dtype, [&](auto tag) {
+    constexpr int VEC = vec16<decltype(tag)>();
+    // 16-byte packs when every row starts on a 16-byte boundary.
+    const bool vector_ok = is_aligned16(call.logits) && call.width % VEC == 0;
+    auto kernel = vector_ok ? pick(tag, std::integral_constant<int, VEC>{}) : pick(tag, std::integral_constant<int, 1>{});
+    const int64_t blocks = (call.rows + kChunkThreads / 32 - 1) / (kChunkThreads / 32);
+    launch_kernel(kernel, blocks, kChunkThreads, 0, 1, context.device, context.stream, call);
+  });
+}
+
+// Host entry points (ops.h; entry_points.h's linear_cross_entropy_forward and
+// linear_cross_entropy_backward call them).
+
+void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context) {
+  launch_logit_chunk(call, context, [](auto tag, auto vec) {
+    return &logit_chunk_stats_kernel<decltype(tag), decltype(vec)::value>;
+  });
+}
+
+void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext& context) {
+  launch_logit_chunk(call, context, [](auto tag, auto vec) {
+    return &logit_chunk_gradient_kernel<decltype(tag), decltype(vec)::value>;
+  });
+}
+
+}  // namespace fused_losses
