@@ -1,20 +1,24 @@
-"""Linear + cross-entropy without the logits in memory (losses.linear_cross_entropy): the loss
-of F.cross_entropy(F.linear(input, weight, bias), target), a chunk of the vocabulary at a time.
+"""Cross-entropy a chunk of classes at a time, and linear + cross-entropy built on it.
 
-Forward: for each chunk of classes, the logits z = x W_c^T + b_c (F.linear, in the operands'
-dtype, as eager's), folded by a row pass into each row's running statistics in float32
-(float64 for float64): max, sum of exp, target logit, logit sum; then lse and the loss.
-Backward: each chunk's logits again, which a second row pass turns into their gradient in place
-(times grad_output and the reduction's factor, rounded to the operands' dtype as eager's d logits
-are); then d input += g W_c (summed in float32), d W_c = g^T x and d b_c = sum of g's rows. Each
-chunk of d weight is written once, whole: no atomics, the same bits every run.
+The two row passes over a chunk of classes of every row (kernels/chunked_cross_entropy.cu on
+CUDA, the same math in torch ops elsewhere): fold_stats folds a chunk into each row's running
+statistics (max, sum of exp, target logit, logit sum, in float32; float64 for float64), from
+which finish_loss gives lse and the loss; write_gradient, given every row's lse and scale,
+writes the chunk's gradient. losses.py runs them over whole rows (cross_entropy with softcap),
+vocab_parallel.py over this rank's shard, and linear_cross_entropy over chunks of logits:
+
+linear_cross_entropy, F.cross_entropy(F.linear(input, weight, bias), target) without the (N, V)
+logits in memory. Forward: for each chunk of classes, the logits z = x W_c^T + b_c (F.linear, in
+the operands' dtype, as eager's), folded into the statistics; then lse and the loss. Backward:
+each chunk's logits again, turned into their gradient in place (times grad_output and the
+reduction's factor, rounded to the operands' dtype as eager's d logits are); then d input += g W_c
+(summed in float32), d W_c = g^T x and d b_c = sum of g's rows. Each chunk of d weight is written
+once, whole: no atomics, the same bits every run.
 
 A training step is four matrix products where eager's is three: the logits are computed twice,
 the price of never holding them (the softmax's gradient needs every row's lse before any of it).
 Beyond the inputs and gradients a step holds one chunk of logits (CHUNK_BYTES) and, for inputs
 of 2 bytes, d input in float32 (N x H x 4 bytes).
-
-The row passes are kernels/linear_cross_entropy.cu on CUDA, torch ops elsewhere (the same math).
 """
 from __future__ import annotations
 
@@ -56,7 +60,76 @@ def _capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(z / softcap).mul_(softcap) if softcap else z
 
 
-# The row passes in torch ops: kernels/linear_cross_entropy.cu's math, for devices without it.
+# ----------------------------------------------------------------------------------
+# The row passes.
+
+def new_stats(rows: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Running statistics of no class yet, for logits of `dtype`: (4, rows)."""
+    stats = torch.zeros(4, rows, dtype=_accumulation_dtype(dtype), device=device)
+    stats[0] = -torch.inf
+    return stats
+
+
+def fold_stats(z, target, start: int, classes: int, stats, softcap: float) -> None:
+    """Folds z (rows, width), classes [start, start + width) of `classes`, into stats."""
+    ops = _row_ops(z)
+    if ops is None:
+        _stats_torch(z, target, start, classes, stats, softcap)
+    else:
+        ops.forward(z, target, start, classes, stats, softcap)
+
+
+def finish_loss(stats, target, ignore_index: int, classes: int, label_smoothing: float, z_loss: float):
+    """(per-row loss, lse, count) from complete statistics: 0 for an ignored row, NaN for a class
+    outside [0, classes); count: the rows not ignored (0-dim, on the device: no host sync)."""
+    lse = stats[0] + torch.log(stats[1])
+    counted, invalid = _row_counts(target, ignore_index, classes)
+    ce = (1 - label_smoothing) * (lse - stats[2]) + label_smoothing * (lse - stats[3] / classes)
+    loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
+    return loss, lse, counted.sum()
+
+
+def reduce_loss(loss, count, reduction: str):
+    if reduction == "none":
+        return loss
+    return loss.sum() / count.to(loss.dtype) if reduction == "mean" else loss.sum()  # none counted: NaN, as torch
+
+
+def row_scales(grad_output, target, count, ignore_index: int, classes: int, reduction: str, dtype):
+    """Each row's factor on its gradient: grad_output (times 1 / count for 'mean'); 0 for an
+    ignored row, NaN for a class outside [0, classes)."""
+    counted, invalid = _row_counts(target, ignore_index, classes)
+    scale = grad_output.to(dtype)
+    if reduction == "mean":
+        scale = scale / count.to(dtype)
+    return torch.where(invalid, torch.nan, torch.where(counted, scale, 0.0)).contiguous()
+
+
+def write_gradient(z, grad, target, start: int, classes, lse, row_scale, label_smoothing: float, z_loss: float,
+                   softcap: float) -> None:
+    """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself).
+    classes: an int, or a 0-dim tensor of lse's dtype where only the device knows it."""
+    ops = _row_ops(z)
+    if ops is None:
+        _gradient_torch(z, grad, target, start, classes, lse, row_scale, label_smoothing, z_loss, softcap)
+    elif isinstance(classes, torch.Tensor):
+        ops.backward(z, grad, target, start, start + z.shape[1], classes, lse, row_scale, label_smoothing, z_loss,
+                     softcap)
+    else:
+        ops.backward(z, grad, target, start, classes, None, lse, row_scale, label_smoothing, z_loss, softcap)
+
+
+def _row_ops(z: torch.Tensor):
+    """The row passes' kernels for z's device and dtype (under torch.compile their ops, which
+    losses.py defines); None off CUDA."""
+    if not z.is_cuda:
+        return None
+    if _is_compiling():
+        return torch.ops.fused_losses_chunked_cross_entropy
+    return loader.load_for_device("chunked_cross_entropy", z.device, z.dtype)
+
+
+# The same math in torch ops, for devices without the kernels.
 
 def _stats_torch(z, target, start, vocab, stats, softcap):
     z = _capped(z.to(stats.dtype), softcap)
@@ -73,7 +146,7 @@ def _stats_torch(z, target, start, vocab, stats, softcap):
     stats[3] += z.sum(1)
 
 
-def _gradient_torch(z, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap):
+def _gradient_torch(z, out, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap):
     capped = _capped(z.to(lse.dtype), softcap)
     grad = torch.exp(capped - lse[:, None]).mul_((row_scale * (1 + 2 * z_loss * lse))[:, None])
     grad.sub_((row_scale * label_smoothing / vocab)[:, None])
@@ -83,7 +156,7 @@ def _gradient_torch(z, target, start, vocab, lse, row_scale, label_smoothing, z_
                       torch.where(inside, -row_scale * (1 - label_smoothing), 0.0)[:, None])
     if softcap:
         grad.mul_(1 - (capped / softcap).square())
-    z.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
+    out.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
 
 
 def _add_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -101,29 +174,18 @@ def _row_counts(target, ignore_index, vocab):
     return counted, counted & ((target < 0) | (target >= vocab))  # outside [0, V): NaN, as cross_entropy's kernels
 
 
+# ----------------------------------------------------------------------------------
+# Linear + cross-entropy.
+
 def loss_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
               reduction: str):
-    """The forward: (loss, lse, count). loss in the accumulation type, 0-dim or (N,) for 'none';
-    lse (N,); count: the rows not ignored (0-dim int64, on the device: no host sync)."""
-    acc = _accumulation_dtype(x.dtype)
+    """The forward: (loss, lse, count), loss in the accumulation type, 0-dim or (N,) for 'none'."""
     rows, vocab = x.shape[0], weight.shape[0]
-    ops = _row_ops(x)
-    stats = torch.zeros(4, rows, dtype=acc, device=x.device)
-    stats[0] = -torch.inf
+    stats = new_stats(rows, x.dtype, x.device)
     for start, w, b in _chunks(weight, bias, chunk_width(rows, vocab, x.element_size())):
-        z = F.linear(x, w, b)
-        if ops is None:
-            _stats_torch(z, target, start, vocab, stats, softcap)
-        else:
-            ops.forward(z, target, start, vocab, stats, softcap)
-    lse = stats[0] + torch.log(stats[1])
-    counted, invalid = _row_counts(target, ignore_index, vocab)
-    ce = (1 - label_smoothing) * (lse - stats[2]) + label_smoothing * (lse - stats[3] / vocab)
-    loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
-    count = counted.sum()
-    if reduction != "none":
-        loss = loss.sum() / count.to(acc) if reduction == "mean" else loss.sum()  # no row counted: NaN, as torch
-    return loss, lse, count
+        fold_stats(F.linear(x, w, b), target, start, vocab, stats, softcap)
+    loss, lse, count = finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
+    return reduce_loss(loss, count, reduction), lse, count
 
 
 def gradient_pass(x, weight, bias, target, lse, count, grad_output, ignore_index: int, label_smoothing: float,
@@ -131,21 +193,13 @@ def gradient_pass(x, weight, bias, target, lse, count, grad_output, ignore_index
     """The backward: the gradients of input, weight and bias (None where wants says no)."""
     acc = lse.dtype
     vocab = weight.shape[0]
-    ops = _row_ops(x)
-    counted, invalid = _row_counts(target, ignore_index, vocab)
-    scale = grad_output.to(acc)
-    if reduction == "mean":
-        scale = scale / count.to(acc)
-    row_scale = torch.where(invalid, torch.nan, torch.where(counted, scale, 0.0)).contiguous()
+    row_scale = row_scales(grad_output, target, count, ignore_index, vocab, reduction, acc)
     grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if wants[0] else None
     grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if wants[1] else None
     grad_b = torch.empty(vocab, dtype=acc, device=x.device) if wants[2] else None
     for start, w, b in _chunks(weight, bias, chunk_width(x.shape[0], vocab, x.element_size())):
-        g = F.linear(x, w, b)  # becomes the chunk's gradient, in place
-        if ops is None:
-            _gradient_torch(g, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap)
-        else:
-            ops.backward(g, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap)
+        g = F.linear(x, w, b)
+        write_gradient(g, g, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap)  # in place
         end = start + g.shape[1]
         if wants[0]:
             _add_matmul_(grad_x, g, w)
@@ -157,14 +211,10 @@ def gradient_pass(x, weight, bias, target, lse, count, grad_output, ignore_index
             None if grad_b is None else grad_b.to(bias.dtype))
 
 
-def _row_ops(x: torch.Tensor):
-    """The build of kernels/linear_cross_entropy.cu for x's device and dtype; None off CUDA."""
-    return loader.load_for_device("linear_cross_entropy", x.device, x.dtype) if x.is_cuda else None
-
-
 # ----------------------------------------------------------------------------------
-# Under torch.compile the two passes are opaque ops: a tracer sees two calls, not the chunk loop
-# with its in-place kernels and out= products (whose functionalized trace gave wrong gradients).
+# Under torch.compile linear + cross-entropy's two passes are opaque ops: a tracer sees two
+# calls, not the chunk loop with its out= products. (The row passes' kernels have compile ops
+# of their own: losses.KERNEL_OPS, which _row_ops returns when compiling.)
 
 _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
                 "float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
@@ -192,16 +242,15 @@ def _gradients_fake(x, weight, bias, target, lse, count, grad_output, *options):
 
 
 def _define_compile_ops():
-    namespace = "fused_losses_linear_ce"
-    if not hasattr(torch.library, "register_fake") or hasattr(getattr(torch.ops, namespace), "loss"):
+    if not hasattr(torch.library, "register_fake") or hasattr(torch.ops.fused_losses_linear_ce, "loss"):
         return None  # torch < 2.4, or defined by this file imported under another name
-    library = torch.library.Library(namespace, "DEF")
+    library = torch.library.Library("fused_losses_linear_ce", "DEF")
     for name, schema, impl, fake in (("loss", _LOSS_SCHEMA, loss_pass, _loss_fake),
                                      ("gradients", _GRADIENTS_SCHEMA, _gradients_op, _gradients_fake)):
         library.define(name + schema)
         for device in ("CPU", "CUDA"):
             library.impl(name, impl, device)
-        torch.library.register_fake(f"{namespace}::{name}", fake, lib=library)
+        torch.library.register_fake(f"fused_losses_linear_ce::{name}", fake, lib=library)
     return library
 
 

@@ -237,7 +237,7 @@ def _cross_entropy_backward_fake(logits, target, weight, ignore_index, label_smo
             logits.new_empty(logits.shape if want_grad_target else (0,)))
 
 
-def _scale_by_grad_output_fake(grad, grad_output):
+def _no_outputs_fake(*args):  # an op that only writes its (a!) arguments
     return None
 
 
@@ -245,10 +245,17 @@ _POINTWISE_FORWARD = ("(Tensor input, Tensor target, int reduction, float scale,
                       "bool want_grad_input, bool want_grad_target{}) -> (Tensor, Tensor, Tensor)")
 _POINTWISE_BACKWARD = ("(Tensor input, Tensor target, Tensor grad_output, bool want_grad_input, "
                        "bool want_grad_target{}) -> (Tensor, Tensor)")
-_SCALE_BY_GRAD_OUTPUT = ("(Tensor(a!) grad, Tensor grad_output) -> ()", _scale_by_grad_output_fake)
+_SCALE_BY_GRAD_OUTPUT = ("(Tensor(a!) grad, Tensor grad_output) -> ()", _no_outputs_fake)
 _KL_ARGS = ", bool log_input, bool log_target"
 
 KERNEL_OPS = {
+    "chunked_cross_entropy": {  # the row passes (linear_ce.py): they write their (a!) arguments
+        "forward": ("(Tensor logits, Tensor target, int class_start, int classes, Tensor(a!) stats, "
+                    "float softcap) -> ()", _no_outputs_fake),
+        "backward": ("(Tensor logits, Tensor(a!) grad, Tensor target, int class_start, int classes, "
+                     "Tensor? class_count, Tensor lse, Tensor row_scale, float label_smoothing, float z_loss, "
+                     "float softcap) -> ()", _no_outputs_fake),
+    },
     "mse": {
         "forward": (_POINTWISE_FORWARD.format(""), _pointwise_forward_fake),
         "backward": (_POINTWISE_BACKWARD.format(""), _pointwise_backward_fake),
@@ -561,6 +568,40 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return grad_logits, grad_target, None, None
 
 
+class _SoftcapCrossEntropyFunction(torch.autograd.Function):
+    """Class-index cross-entropy of capped logits by the row passes (linear_ce.py) over whole
+    rows: (rows, C) logits, (rows,) targets. Returns (loss, lse) in the accumulation type;
+    the gradient is written in backward, from the saved logits and lse."""
+
+    @staticmethod
+    def forward(ctx, logits, target, arguments):
+        ignore_index, label_smoothing, z_loss, softcap, reduction = arguments
+        classes = logits.shape[1]
+        stats = linear_ce.new_stats(logits.shape[0], logits.dtype, logits.device)
+        linear_ce.fold_stats(logits, target, 0, classes, stats, softcap)
+        loss, lse, count = linear_ce.finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
+        ctx.arguments = arguments
+        ctx.save_for_backward(logits, target, lse, count)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return linear_ce.reduce_loss(loss, count, reduction), lse
+
+    @staticmethod
+    def backward(ctx, grad_output, _):
+        if grad_output is None:
+            return None, None, None
+        if torch.is_grad_enabled():
+            raise RuntimeError("cross_entropy with softcap has no second derivative: backward(create_graph=True) "
+                               "through it is not supported")
+        logits, target, lse, count = ctx.saved_tensors
+        ignore_index, label_smoothing, z_loss, softcap, reduction = ctx.arguments
+        classes = logits.shape[1]
+        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, classes, reduction, lse.dtype)
+        grad = torch.empty_like(logits)
+        linear_ce.write_gradient(logits, grad, target, 0, classes, lse, row_scale, label_smoothing, z_loss, softcap)
+        return grad, None, None
+
+
 def _cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, probs: bool):
     """The kernel takes rows of classes: (C) -> (1, C); (N, C, d...) -> (N * d..., C), and
     probabilities alike. The movedim copy is autograd-tracked, so the gradient flows back to
@@ -640,6 +681,11 @@ def _check_cross_entropy_arguments(input, target, weight, ignore_index, label_sm
     _check_smoothing_and_z_loss(label_smoothing, z_loss)
 
 
+def _check_softcap(softcap) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
 def _check_smoothing_and_z_loss(label_smoothing: float, z_loss: float) -> None:
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
@@ -666,9 +712,12 @@ def _cross_entropy_fusable(input, target, weight) -> str | None:
     return None
 
 
-def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, return_lse):
-    """torch's F.cross_entropy, plus the z-loss and lse that the kernel adds (their
+def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, return_lse,
+                         softcap=None):
+    """torch's F.cross_entropy, plus the z-loss, lse and softcap that the kernels add (their
     definitions, in torch ops)."""
+    if softcap is not None:
+        input = softcap * torch.tanh(input / softcap)
     if target.dtype == torch.int32:  # the kernels take int32 class indices; torch's loss takes int64
         target = target.long()
     loss = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
@@ -690,8 +739,9 @@ def _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_s
 
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   size_average=None, ignore_index: int = -100, reduce=None, reduction: str = "mean",
-                  label_smoothing: float = 0.0, *, z_loss: float = 0.0, return_lse: bool = False,
-                  inplace_backward: bool = False, process_group=None, vocab_start: int | None = None):
+                  label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
+                  return_lse: bool = False, inplace_backward: bool = False, process_group=None,
+                  vocab_start: int | None = None):
     """F.cross_entropy(input, target, ...), fused, plus options of our own.
 
     Input (C), (N, C) or (N, C, d1, ...), classes in dim 1 as in torch. target: class
@@ -702,6 +752,10 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
 
     z_loss: adds z_loss * lse^2 per counted row (lse = logsumexp over the classes),
         reduced like the loss ('mean' divides by the number of non-ignored rows).
+    softcap: the logits become softcap * tanh(logits / softcap) first (Gemma 2), the lse
+        and z-loss those of the capped logits. Class-index targets without weight run two
+        passes over the logits (chunked_cross_entropy.cu: stats, then the gradient in
+        backward); with weight or probabilities, torch ops. Not with inplace_backward.
     return_lse: also return the per-row lse, float32 (float64 for float64 input), in
         target's shape for class indices: (loss, lse). It carries no gradient.
     inplace_backward: with grad and a scalar reduction, the gradient is written over
@@ -720,22 +774,26 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     _check_reduction(reduction, ("none", "mean", "sum"))
     _check_same_device(input, target, weight)
     _check_cross_entropy_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
+    _check_softcap(softcap)
     if inplace_backward:
-        if process_group is not None:
-            raise ValueError("inplace_backward is not supported with process_group")
+        if process_group is not None or softcap is not None:
+            raise ValueError("inplace_backward is not supported with process_group or softcap")
         _check_inplace_backward(input, reduction)
     user_operands = (input, target)
     (input, target, weight), float_loss = _autocast_operands(reduction, input, target, weight)
     if process_group is not None:
-        if input.is_cuda:
-            _check_fallback_allowed("cross_entropy", "process_group runs torch ops (no fused kernel yet)", input)
+        if input.is_cuda and not vocab_parallel.uses_row_passes(target, weight):
+            _check_fallback_allowed("cross_entropy", "process_group with class weights or probabilities runs torch "
+                                    "ops", input)
         why_not = None
     else:
         why_not = _cross_entropy_fusable(input, target, weight)
+        if why_not is None and softcap is not None and (target.is_floating_point() or weight is not None):
+            why_not = "softcap with class weights or probabilities (its kernels take class indices alone)"
     if why_not is not None:
         _check_fallback_allowed("cross_entropy", why_not, input)
         return _torch_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                    return_lse)
+                                    return_lse, softcap)
     probs = target.is_floating_point()
     dim = input.dim()
     logits, rows_target = _cross_entropy_rows(input, target, probs)
@@ -743,8 +801,13 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     want_grads = want_grad_logits or want_grad_target
     arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
     if process_group is not None:
-        loss, lse = vocab_parallel.cross_entropy_rows(logits, rows_target, weight, *arguments, process_group,
+        loss, lse = vocab_parallel.cross_entropy_rows(logits, rows_target, weight, *arguments, softcap, process_group,
                                                       vocab_start)
+    elif softcap is not None:
+        loss, lse = _SoftcapCrossEntropyFunction.apply(
+            logits.contiguous(), rows_target.contiguous(),
+            (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap), reduction))
+        loss = loss.to(torch.float32 if float_loss else input.dtype)  # outside: see LinearCrossEntropyFunction
     elif _use_python_function(want_grads, reduction):
         outputs = _CrossEntropyFunction.apply(logits, rows_target, weight,
                                               (*arguments, want_grad_logits, want_grad_target, return_lse))
@@ -778,21 +841,21 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
-    """nn.CrossEntropyLoss on the fused kernel; takes cross_entropy's z_loss, return_lse,
-    inplace_backward, process_group and vocab_start as keyword arguments too."""
+    """nn.CrossEntropyLoss on the fused kernel; takes cross_entropy's z_loss, softcap,
+    return_lse, inplace_backward, process_group and vocab_start as keyword arguments too."""
 
     def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
                  reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
-                 return_lse: bool = False, inplace_backward: bool = False, process_group=None,
-                 vocab_start: int | None = None) -> None:
+                 softcap: float | None = None, return_lse: bool = False, inplace_backward: bool = False,
+                 process_group=None, vocab_start: int | None = None) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-        self.z_loss, self.return_lse, self.inplace_backward = z_loss, return_lse, inplace_backward
+        self.z_loss, self.softcap, self.return_lse, self.inplace_backward = z_loss, softcap, return_lse, inplace_backward
         self.process_group, self.vocab_start = process_group, vocab_start
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
                              reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                             return_lse=self.return_lse, inplace_backward=self.inplace_backward,
+                             softcap=self.softcap, return_lse=self.return_lse, inplace_backward=self.inplace_backward,
                              process_group=self.process_group, vocab_start=self.vocab_start)
 
 
@@ -823,8 +886,7 @@ def _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_in
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target must hold class indices as int64 or int32, got {target.dtype}")
     _check_smoothing_and_z_loss(label_smoothing, z_loss)
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    _check_softcap(softcap)
 
 
 def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

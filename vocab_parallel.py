@@ -16,16 +16,24 @@ the first call with a new layout (as this rank sees it) reads them back once (on
 and raises if the shards do not tile [0, V); a later call whose shards do not tile gives NaN.
 Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
-The local work runs in torch ops, in float32 (float64 for float64 logits), on any device;
-the fused CUDA kernel for it is still to come, so on CUDA tensors FUSED_LOSSES_STRICT=1
-makes this raise.
+Class-index targets without weight (the usual case; softcap too) take the row passes of
+linear_ce.py (kernels/chunked_cross_entropy.cu on CUDA) over the shard: its statistics before
+the all-reduces, and its gradient in backward, from the saved logits and the global lse
+(_VocabParallelRowPasses). Class weights or probability targets take torch ops in float32
+(float64 for float64 logits), the gradient computed in the forward (_VocabParallelCrossEntropy);
+on CUDA tensors FUSED_LOSSES_STRICT=1 makes that raise.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-# Layouts checked by this process: (group, C_r, vocab_start, V) as seen by this rank.
+if __package__:
+    from . import linear_ce
+else:
+    import linear_ce
+
+# Layouts checked by this process: (group, C_r, vocab_start) as seen by this rank.
 _checked_layouts: set = set()
 
 
@@ -64,6 +72,79 @@ def _check_layout(group, local_classes, start, layout, vocab, tiled) -> None:
     _checked_layouts.add(key)
 
 
+def _check_class_ids(logits, start, local) -> None:
+    if start + local > 2**24 and logits.dtype != torch.float64:
+        raise ValueError(f"cross_entropy: process_group takes up to 2^24 classes with {logits.dtype} logits "
+                         f"(class ids travel in float32); this shard ends at class {start + local}")
+
+
+def _all_reduce_sums(local_sums, group, start, local, vocab):
+    """All-reduce 2 (SUM): the rows' sums (a list of (rows,) tensors) and every rank's first
+    class and width (this rank's slots). Returns (the sums' columns, whether the shards tile
+    [0, V), on the device)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rows = local_sums[0].shape[0]
+    layout = torch.zeros(2 * world, dtype=local_sums[0].dtype)
+    layout[2 * rank], layout[2 * rank + 1] = start, local
+    sums = torch.cat([torch.stack(local_sums, 1).reshape(-1), layout.to(local_sums[0].device)])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    layout = sums[rows * len(local_sums):]
+    tiled = _shards_tile(layout, vocab)
+    _check_layout(group, local, start, layout, vocab, tiled)
+    return sums[:rows * len(local_sums)].reshape(rows, len(local_sums)).unbind(1), tiled
+
+
+class _VocabParallelRowPasses(torch.autograd.Function):
+    """(rows, C_r) logits, (rows,) global class ids, no class weight. Returns (loss, lse) in the
+    accumulation type; the gradient of the shard is written in backward (no communication)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, options):
+        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = options
+        rows, local = logits.shape
+        _check_class_ids(logits, start, local)
+        stats = linear_ce.new_stats(rows, logits.dtype, logits.device)
+        linear_ce.fold_stats(logits, target, start, start + local, stats, softcap)
+        # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
+        maxima = torch.cat([stats[0], stats.new_tensor([start + local])])
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        row_max, vocab = maxima[:rows], maxima[rows]
+        index = target.long() - start
+        owned = (index >= 0) & (index < local) & (target != ignore_index)
+        exp_sum = torch.where(stats[0] == row_max, stats[1], stats[1] * torch.exp(stats[0] - row_max))
+        (exp_sum, target_logit, logit_sum, owners), tiled = _all_reduce_sums(
+            [exp_sum, stats[2], stats[3], owned.to(stats.dtype)], group, start, local, vocab)
+        # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
+        lse = torch.where(tiled, row_max + exp_sum.log(), torch.nan)
+        ignored = target == ignore_index
+        counted = ~ignored
+        ce = (1 - label_smoothing) * (lse - target_logit) + label_smoothing * (lse - logit_sum / vocab)
+        # No rank owns a target outside [0, V): NaN for its row, as on one GPU.
+        loss = torch.where(ignored, 0.0, torch.where(owners > 0, ce + z_loss * lse.square(), torch.nan))
+        count = counted.sum()
+        ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
+        ctx.save_for_backward(logits, target, lse, count, owners > 0, vocab)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return linear_ce.reduce_loss(loss, count, reduction), lse
+
+    @staticmethod
+    def backward(ctx, grad_output, _):
+        if grad_output is None:
+            return None, None, None
+        if torch.is_grad_enabled():
+            raise RuntimeError("cross_entropy with process_group has no second derivative: "
+                               "backward(create_graph=True) through it is not supported")
+        logits, target, lse, count, owned_somewhere, vocab = ctx.saved_tensors  # V: known on the device only
+        start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
+        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, lse.dtype)
+        row_scale = torch.where(owned_somewhere | (target == ignore_index), row_scale, torch.nan)
+        grad = torch.empty_like(logits)
+        linear_ce.write_gradient(logits, grad, target, start, vocab, lse, row_scale, label_smoothing, z_loss,
+                                 softcap)
+        return grad, None, None
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """(rows, C_r) logits; target (rows,) global class ids or (rows, C_r) probabilities.
     Returns (loss, lse)."""
@@ -77,9 +158,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows, local = x.shape
         w = weight.to(acc) if weight is not None else torch.ones(local, dtype=acc, device=x.device)
 
-        if start + local > 2**24 and acc == torch.float32:
-            raise ValueError(f"cross_entropy: process_group takes up to 2^24 classes with {logits.dtype} logits "
-                             f"(class ids travel in float32); this shard ends at class {start + local}")
+        _check_class_ids(logits, start, local)
         # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
         maxima = torch.cat([x.amax(1), x.new_tensor([start + local])])
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
@@ -97,16 +176,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit = torch.where(owned, x.gather(1, index[:, None])[:, 0], 0.0)
             target_weight = torch.where(owned, w[index], 0.0)
             local_sums = [e.sum(1), target_logit, target_weight, owned.to(acc), w.sum().expand(rows), (w * x).sum(1)]
-        # All-reduce 2 (SUM): the rows' sums, and every rank's first class and width (this rank's slots).
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        layout = torch.zeros(2 * world, dtype=acc)
-        layout[2 * rank], layout[2 * rank + 1] = start, local
-        sums = torch.cat([torch.stack(local_sums, 1).reshape(-1), layout.to(x.device)])
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        layout = sums[rows * len(local_sums):]
-        tiled = _shards_tile(layout, vocab)
-        _check_layout(group, local, start, layout, vocab, tiled)
-        columns = sums[:rows * len(local_sums)].reshape(rows, len(local_sums)).unbind(1)
+        columns, tiled = _all_reduce_sums(local_sums, group, start, local, vocab)
         # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
         lse = torch.where(tiled, row_max + columns[0].log(), float("nan"))
         weights_sum, weighted_logits = columns[-2], columns[-1]  # sum_c w_c, sum_c w_c x_c
@@ -172,10 +242,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 None if grad_target is None else grad_target * scale.to(grad_target.dtype), None, None)
 
 
-def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, group,
-                       vocab_start):
+def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, softcap,
+                       group, vocab_start):
     """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
     check_group_device(group, logits)
     start = shard_start(group, logits.shape[1], vocab_start)
+    if uses_row_passes(target, weight):
+        loss, lse = _VocabParallelRowPasses.apply(logits.contiguous(), target.contiguous(), (
+            group, start, ignore_index, reduction, label_smoothing, z_loss, softcap or 0.0))
+        return loss.to(torch.float32 if float_loss else logits.dtype), lse
+    if softcap is not None:
+        raise ValueError("cross_entropy: softcap with process_group takes class-index targets without weight")
     options = (group, start, ignore_index, reduction, float_loss, label_smoothing, z_loss)
     return _VocabParallelCrossEntropy.apply(logits, target, weight, options)
+
+
+def uses_row_passes(target, weight) -> bool:
+    """The one choice of path: class indices without class weights take the row passes."""
+    return not target.is_floating_point() and weight is None

@@ -397,7 +397,7 @@ inline void force_cross_entropy_path(const std::string& path) {
 }
 
 // ---------------------------------------------------------------------------------
-// Linear cross-entropy's row passes over one vocabulary chunk of logits (linear_ce.py).
+// Cross-entropy a chunk of classes at a time (chunked_cross_entropy.cu).
 
 // A chunk's call: (rows, width) logits, contiguous, classes [class_start, class_start +
 // width) of `classes`; (rows,) class indices; per-row tensors (rows,) or (k, rows) in the
@@ -405,12 +405,12 @@ inline void force_cross_entropy_path(const std::string& path) {
 inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
                                        int64_t classes, double softcap) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(),
-              "linear_cross_entropy: logits must be a contiguous (rows, width) CUDA tensor");
+              "chunked_cross_entropy: logits must be a contiguous (rows, width) CUDA tensor");
   TORCH_CHECK(target.device() == logits.device() && target.dim() == 1 && target.size(0) == logits.size(0) &&
                   target.is_contiguous() && (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
-              "linear_cross_entropy: target must be (rows,) contiguous int64 or int32 on the logits' device");
+              "chunked_cross_entropy: target must be (rows,) contiguous int64 or int32 on the logits' device");
   TORCH_CHECK(class_start >= 0 && class_start + logits.size(1) <= classes,
-              "linear_cross_entropy: the chunk's classes must lie in [0, classes)");
+              "chunked_cross_entropy: the chunk's classes must lie in [0, classes)");
   LogitChunkCall call{};
   call.dtype = dtype_of(logits);
   call.rows = logits.size(0);
@@ -428,13 +428,13 @@ inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits,
   const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(tensor.device() == logits.device() && tensor.scalar_type() == acc && tensor.is_contiguous() &&
                   tensor.numel() == leading * logits.size(0),
-              "linear_cross_entropy: ", name, " must hold ", leading, " x rows contiguous values of the "
+              "chunked_cross_entropy: ", name, " must hold ", leading, " x rows contiguous values of the "
               "accumulation type on the logits' device");
 }
 
 // Forward: folds the chunk into stats (4, rows): running max, sum of exp, target logit, logit sum.
-inline void linear_cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
-                                         int64_t classes, at::Tensor stats, double softcap) {
+inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
+                                          int64_t classes, at::Tensor stats, double softcap) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
   check_row_tensor(stats, logits, 4, "stats");
@@ -442,14 +442,28 @@ inline void linear_cross_entropy_forward(const at::Tensor& logits, const at::Ten
   run_kernels([&] { logit_chunk_stats_launch(call, context.launch()); });
 }
 
-// Backward: overwrites the chunk with its gradient, given each row's lse and scale.
-inline void linear_cross_entropy_backward(at::Tensor logits, const at::Tensor& target, int64_t class_start,
-                                          int64_t classes, const at::Tensor& lse, const at::Tensor& row_scale,
-                                          double label_smoothing, double z_loss, double softcap) {
+// Backward: writes the chunk's gradient into `grad` (logits' shape and dtype; it may be
+// `logits`), given each row's lse and scale. class_count: one value of the accumulation type,
+// the number of classes where only the device knows it (vocabulary-parallel), or None: `classes`.
+inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor grad, const at::Tensor& target,
+                                           int64_t class_start, int64_t classes,
+                                           const c10::optional<at::Tensor>& class_count, const at::Tensor& lse,
+                                           const at::Tensor& row_scale, double label_smoothing, double z_loss,
+                                           double softcap) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
+  TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
+                  grad.device() == logits.device() && grad.is_contiguous(),
+              "chunked_cross_entropy: grad must be contiguous, of the logits' shape, dtype and device");
   check_row_tensor(lse, logits, 1, "lse");
   check_row_tensor(row_scale, logits, 1, "row_scale");
+  if (class_count.has_value() && class_count->defined()) {
+    TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == lse.scalar_type() &&
+                    class_count->device() == logits.device(),
+                "chunked_cross_entropy: class_count must be one value of lse's dtype on the logits' device");
+    call.class_count = class_count->data_ptr();
+  }
+  call.grad = grad.data_ptr();
   call.lse = lse.data_ptr();
   call.row_scale = row_scale.data_ptr();
   call.label_smoothing = label_smoothing;

@@ -106,18 +106,20 @@ const char* cross_entropy_call_path(const CrossEntropyCall& call, int device);
 // Throws std::invalid_argument for a name that is no path.
 void set_forced_cross_entropy_path(const char* path);
 
-// One vocabulary chunk of linear_cross_entropy's logits: (rows, width) contiguous,
-// classes [class_start, class_start + width) of `classes` (linear_cross_entropy.cu has the math).
+// A chunk of classes of every row: (rows, width) logits, contiguous, classes [class_start,
+// class_start + width) of `classes` (chunked_cross_entropy.cu has the math).
 struct LogitChunkCall {
   DType dtype;
   int64_t rows, width, class_start, classes;
-  void* logits;         // the backward overwrites it with its gradient
+  const void* logits;
+  void* grad;           // gradient: (rows, width), may be `logits` itself
   const void* target;   // (rows) class indices, int64 or int32 with target_int32
   bool target_int32;
   double softcap;       // 0: none
   void* stats;          // forward: (4, rows) in the accumulation type, updated
   const void* lse;      // backward: (rows) in the accumulation type
   const void* row_scale;  // backward: (rows) in the accumulation type
+  const void* class_count;  // backward: one value of the accumulation type in place of `classes`, or nullptr
   double label_smoothing, z_loss;
 };
 

@@ -710,3 +710,56 @@ def test_one_unbatched_ignored_target_gives_torchs_cuda_result(weight, reduction
         (ours_grad,) = torch.autograd.grad(ours, logits)
         (theirs_grad,) = torch.autograd.grad(theirs, logits)
         torch.testing.assert_close(ours_grad, theirs_grad)
+
+
+# ----------------------------------------------------------------------------------
+# softcap: the capped logits' loss, by the row passes on CUDA, torch ops elsewhere.
+
+def capped_reference(softcap, **options):
+    def loss(logits, target):
+        return losses._torch_cross_entropy(softcap * torch.tanh(logits / softcap), target, None, IGNORE,
+                                           options.get("reduction", "mean"), options.get("label_smoothing", 0.0),
+                                           options.get("z_loss", 0.0), False)
+    return loss
+
+
+SOFTCAP_OPTIONS = [dict(reduction=reduction, label_smoothing=smoothing, z_loss=z)
+                   for reduction in REDUCTIONS for smoothing, z in [(0.0, 0.0), (0.1, 1e-3)]]
+
+
+@pytest.mark.parametrize("options", SOFTCAP_OPTIONS, ids=str)
+def test_softcap_on_cpu_matches_float64(options):
+    logits = torch.randn(7, 40) * 20
+    check_against_float64(lambda x, t: losses.cross_entropy(x, t, softcap=15.0, **options),
+                          capped_reference(15.0, **options), [logits, class_targets(logits)], case=str(options))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 1000), (5, 128256), (3, 50257), (4, 6, 3)], ids=str)
+@pytest.mark.parametrize("options", SOFTCAP_OPTIONS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_matches_float64(dtype, options, shape):
+    logits = (torch.randn(*shape, device="cuda") * 20).to(dtype)
+    target = class_targets(logits, index_dtype=torch.int32 if shape[0] == 5 else torch.int64)
+    check_against_float64(lambda x, t: losses.cross_entropy(x, t, softcap=30.0, **options),
+                          capped_reference(30.0, **options), [logits, target], case=f"{shape} {options}")
+
+
+@pytest.mark.gpu
+def test_softcap_lse_module_compile_and_strict_refusals(monkeypatch):
+    logits = torch.randn(16, 300, device="cuda", requires_grad=True)
+    target = class_targets(logits)
+    capped = 5.0 * torch.tanh(logits / 5.0)
+    loss, lse = losses.CrossEntropyLoss(softcap=5.0, return_lse=True)(logits, target)
+    torch.testing.assert_close(lse, torch.logsumexp(capped, 1))
+    torch.testing.assert_close(loss, F.cross_entropy(capped, target))
+    compiled = torch.compile(lambda x, t: losses.cross_entropy(x, t, softcap=5.0, z_loss=1e-3), fullgraph=True)
+    grad, = torch.autograd.grad(compiled(logits, target), logits)
+    want, = torch.autograd.grad(losses.cross_entropy(logits, target, softcap=5.0, z_loss=1e-3), logits)
+    torch.testing.assert_close(grad, want)
+    with pytest.raises(RuntimeError, match="softcap with class weights"):  # strict mode: no torch ops
+        losses.cross_entropy(logits, target, weight=torch.rand(300, device="cuda"), softcap=5.0)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        losses.cross_entropy(logits.detach().clone(), target, softcap=5.0, inplace_backward=True)
+    with pytest.raises(ValueError, match="softcap"):
+        losses.cross_entropy(logits, target, softcap=-1.0)

@@ -50,7 +50,8 @@ def make_case(index, device):
         target = target.to(rng.choice([torch.int64, torch.int32])).to(device)
     weight = torch.rand(vocab).add(0.5).to(dtype).to(device) if rng.random() < 0.4 else None
     options = dict(reduction=rng.choice(["mean", "sum", "none"]), ignore_index=ignore_index,
-                   label_smoothing=rng.choice([0.0, 0.0, 0.2]), z_loss=rng.choice([0.0, 1e-2]))
+                   label_smoothing=rng.choice([0.0, 0.0, 0.2]), z_loss=rng.choice([0.0, 1e-2]),
+                   softcap=rng.choice([None, 4.0]) if weight is None and not probs else None)
     return logits, target, weight, options, shard_bounds(vocab, equal), equal
 
 
@@ -67,7 +68,8 @@ def check_case(index, rank, group, device):
     full_target = target.double().requires_grad_() if probs else target.long()
     truth, truth_lse = losses._torch_cross_entropy(full, full_target, None if weight is None else weight.double(),
                                                    options["ignore_index"], options["reduction"],
-                                                   options["label_smoothing"], options["z_loss"], True)
+                                                   options["label_smoothing"], options["z_loss"], True,
+                                                   options["softcap"])
     grad_output = torch.rand_like(truth) + 0.5
     truth.backward(grad_output)
     # Ours: this rank's shard.

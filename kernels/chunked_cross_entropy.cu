@@ -1,8 +1,10 @@
-// linear_cross_entropy.cu: the two row passes of linear_ce.py's linear + cross-entropy,
-// each over one vocabulary chunk of the logits, z = x W[c0:c1]^T + b (rows, width), that
-// a matrix product just wrote. The (rows, classes) logits never exist whole: the forward
-// folds each chunk into per-row running statistics, the backward recomputes each chunk and
-// turns it into its gradient in place, which the next two matrix products consume.
+// chunked_cross_entropy.cu: cross-entropy over a chunk of the classes, [class_start,
+// class_start + width) of `classes`, of each row, in two passes: `stats` folds the chunk into
+// per-row running statistics; `gradient`, given every row's lse, writes the chunk's gradient.
+// What runs it (losses.py): linear_cross_entropy (linear_ce.py: chunks of logits that a
+// matrix product just wrote, and the gradient written over them), cross_entropy with a
+// softcap (whole rows), and vocabulary-parallel cross_entropy (this rank's shard, the
+// statistics combined across ranks between the passes).
 //
 // With softcap s the logits are z' = s tanh(z / s) (Gemma 2), and dz'/dz = 1 - (z'/s)^2.
 //   stats:    (4, rows) in the accumulation type: running max m, sum of exp(z' - m), the
@@ -11,8 +13,7 @@
 //             p_c = exp(z'_c - lse), r the row's scale (grad_output times the reduction's
 //             factor; 0 for an ignored row, whose gradient is written as 0; NaN for a
 //             class outside [0, classes), which the forward marked NaN).
-// Bytes per logit (b = element size): stats b, gradient 2b. One warp per row: a chunk
-// is a few thousand classes wide.
+// Bytes per logit (b = element size): stats b, gradient 2b. One warp per row.
 
 #include <type_traits>
 
@@ -119,12 +120,15 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
   const int64_t row = int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
   if (row >= call.rows) return;
   const Softcap<T> softcap(call.softcap);
-  T* z = static_cast<T*>(call.logits) + row * call.width;
+  const T* z = static_cast<const T*>(call.logits) + row * call.width;
+  T* grad = static_cast<T*>(call.grad) + row * call.width;
   const acc_t r = static_cast<const acc_t*>(call.row_scale)[row];
   const acc_t lse = static_cast<const acc_t*>(call.lse)[row];
   const acc_t eps = static_cast<acc_t>(call.label_smoothing);
   const acc_t a = r * (acc_t(1) + acc_t(2 * call.z_loss) * lse);
-  const acc_t b = r * eps / static_cast<acc_t>(call.classes);
+  const acc_t classes = call.class_count != nullptr ? *static_cast<const acc_t*>(call.class_count)
+                                                    : static_cast<acc_t>(call.classes);
+  const acc_t b = r * eps / classes;
   const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
   for (int64_t first = int64_t(lane) * VEC; first < call.width; first += 32 * VEC * kUnroll) {
     Pack<T, VEC> packs[kUnroll];
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
         // An ignored row: 0, not 0 times an infinite logit's terms.
         packs[u].val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * softcap.derivative(capped));
       }
-      store_pack<T, VEC>(z + i, packs[u]);
+      store_pack<T, VEC>(grad + i, packs[u]);
     }
   }
 }
@@ -155,15 +159,16 @@ void launch_logit_chunk(const LogitChunkCall& call, const LaunchContext& context
   dispatch_dtype(call.dtype, [&](auto tag) {
     constexpr int VEC = vec16<decltype(tag)>();
     // 16-byte packs when every row starts on a 16-byte boundary.
-    const bool vector_ok = is_aligned16(call.logits) && call.width % VEC == 0;
+    const bool vector_ok = is_aligned16(call.logits) && (call.grad == nullptr || is_aligned16(call.grad)) &&
+                           call.width % VEC == 0;
     auto kernel = vector_ok ? pick(tag, std::integral_constant<int, VEC>{}) : pick(tag, std::integral_constant<int, 1>{});
     const int64_t blocks = (call.rows + kChunkThreads / 32 - 1) / (kChunkThreads / 32);
     launch_kernel(kernel, blocks, kChunkThreads, 0, 1, context.device, context.stream, call);
   });
 }
 
-// Host entry points (ops.h; entry_points.h's linear_cross_entropy_forward and
-// linear_cross_entropy_backward call them).
+// Host entry points (ops.h; entry_points.h's chunked_cross_entropy_forward and
+// chunked_cross_entropy_backward call them).
 
 void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context) {
   launch_logit_chunk(call, context, [](auto tag, auto vec) {
