@@ -80,13 +80,16 @@ def fold_stats(z, target, start: int, classes: int, stats, softcap: float) -> No
 
 
 def finish_loss(stats, target, ignore_index: int, classes: int, label_smoothing: float, z_loss: float):
-    """(per-row loss, lse, count) from complete statistics: 0 for an ignored row, NaN for a class
-    outside [0, classes); count: the rows not ignored (0-dim, on the device: no host sync)."""
-    lse = stats[0] + torch.log(stats[1])
+    """(per-row loss, lse_parts, count) from complete statistics: loss 0 for an ignored row, NaN
+    for a class outside [0, classes); lse_parts (2, rows): each row's max and log(sum exp), whose
+    sum is the lse (write_gradient takes them apart); count: the rows not ignored (0-dim, on the
+    device: no host sync)."""
+    lse_parts = torch.stack([stats[0], torch.log(stats[1])])
+    lse = lse_parts.sum(0)
     counted, invalid = _row_counts(target, ignore_index, classes)
     ce = (1 - label_smoothing) * (lse - stats[2]) + label_smoothing * (lse - stats[3] / classes)
     loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
-    return loss, lse, counted.sum()
+    return loss, lse_parts, counted.sum()
 
 
 def reduce_loss(loss, count, reduction: str):
@@ -105,18 +108,19 @@ def row_scales(grad_output, target, count, ignore_index: int, classes: int, redu
     return torch.where(invalid, torch.nan, torch.where(counted, scale, 0.0)).contiguous()
 
 
-def write_gradient(z, grad, target, start: int, classes, lse, row_scale, label_smoothing: float, z_loss: float,
-                   softcap: float) -> None:
-    """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself).
-    classes: an int, or a 0-dim tensor of lse's dtype where only the device knows it."""
+def write_gradient(z, grad, target, start: int, classes, lse_parts, row_scale, label_smoothing: float,
+                   z_loss: float, softcap: float) -> None:
+    """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself), given
+    finish_loss's lse_parts. classes: an int, or a 0-dim tensor of lse_parts' dtype where only
+    the device knows it."""
     ops = _row_ops(z)
     if ops is None:
-        _gradient_torch(z, grad, target, start, classes, lse, row_scale, label_smoothing, z_loss, softcap)
+        _gradient_torch(z, grad, target, start, classes, lse_parts, row_scale, label_smoothing, z_loss, softcap)
     elif isinstance(classes, torch.Tensor):
-        ops.backward(z, grad, target, start, start + z.shape[1], classes, lse, row_scale, label_smoothing, z_loss,
-                     softcap)
+        ops.backward(z, grad, target, start, start + z.shape[1], classes, lse_parts, row_scale, label_smoothing,
+                     z_loss, softcap)
     else:
-        ops.backward(z, grad, target, start, classes, None, lse, row_scale, label_smoothing, z_loss, softcap)
+        ops.backward(z, grad, target, start, classes, None, lse_parts, row_scale, label_smoothing, z_loss, softcap)
 
 
 def _row_ops(z: torch.Tensor):
@@ -146,16 +150,19 @@ def _stats_torch(z, target, start, vocab, stats, softcap):
     stats[3] += z.sum(1)
 
 
-def _gradient_torch(z, out, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap):
-    capped = _capped(z.to(lse.dtype), softcap)
-    grad = torch.exp(capped - lse[:, None]).mul_((row_scale * (1 + 2 * z_loss * lse))[:, None])
+def _gradient_torch(z, out, target, start, vocab, lse_parts, row_scale, label_smoothing, z_loss, softcap):
+    capped = _capped(z.to(lse_parts.dtype), softcap)
+    lse = lse_parts.sum(0)
+    grad = torch.exp((capped - lse_parts[0, :, None]) - lse_parts[1, :, None])
+    grad.mul_((row_scale * (1 + 2 * z_loss * lse))[:, None])
     grad.sub_((row_scale * label_smoothing / vocab)[:, None])
     index = target - start
     inside = (index >= 0) & (index < z.shape[1])
     grad.scatter_add_(1, index.clamp(0, z.shape[1] - 1).long()[:, None],
                       torch.where(inside, -row_scale * (1 - label_smoothing), 0.0)[:, None])
-    if softcap:
-        grad.mul_(1 - (capped / softcap).square())
+    if softcap:  # 1 - tanh^2 as 4 q (1 - q), q = 1 / (e^2|y| + 1): no cancellation where it saturates
+        q = 1 / (torch.exp(2 * (z.to(lse_parts.dtype) / softcap).abs()) + 1)
+        grad.mul_(4 * q * (1 - q))
     out.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
 
 
@@ -179,19 +186,19 @@ def _row_counts(target, ignore_index, vocab):
 
 def loss_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
               reduction: str):
-    """The forward: (loss, lse, count), loss in the accumulation type, 0-dim or (N,) for 'none'."""
+    """The forward: (loss, lse_parts, count) (finish_loss's), loss reduced: 0-dim, or (N,) for 'none'."""
     rows, vocab = x.shape[0], weight.shape[0]
     stats = new_stats(rows, x.dtype, x.device)
     for start, w, b in _chunks(weight, bias, chunk_width(rows, vocab, x.element_size())):
         fold_stats(F.linear(x, w, b), target, start, vocab, stats, softcap)
-    loss, lse, count = finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
-    return reduce_loss(loss, count, reduction), lse, count
+    loss, lse_parts, count = finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
+    return reduce_loss(loss, count, reduction), lse_parts, count
 
 
-def gradient_pass(x, weight, bias, target, lse, count, grad_output, ignore_index: int, label_smoothing: float,
-                  z_loss: float, softcap: float, reduction: str, wants):
+def gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, ignore_index: int,
+                  label_smoothing: float, z_loss: float, softcap: float, reduction: str, wants):
     """The backward: the gradients of input, weight and bias (None where wants says no)."""
-    acc = lse.dtype
+    acc = lse_parts.dtype
     vocab = weight.shape[0]
     row_scale = row_scales(grad_output, target, count, ignore_index, vocab, reduction, acc)
     grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if wants[0] else None
@@ -199,7 +206,7 @@ def gradient_pass(x, weight, bias, target, lse, count, grad_output, ignore_index
     grad_b = torch.empty(vocab, dtype=acc, device=x.device) if wants[2] else None
     for start, w, b in _chunks(weight, bias, chunk_width(x.shape[0], vocab, x.element_size())):
         g = F.linear(x, w, b)
-        write_gradient(g, g, target, start, vocab, lse, row_scale, label_smoothing, z_loss, softcap)  # in place
+        write_gradient(g, g, target, start, vocab, lse_parts, row_scale, label_smoothing, z_loss, softcap)  # in place
         end = start + g.shape[1]
         if wants[0]:
             _add_matmul_(grad_x, g, w)
@@ -218,7 +225,7 @@ def gradient_pass(x, weight, bias, target, lse, count, grad_output, ignore_index
 
 _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
                 "float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
-_GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse, Tensor count, "
+_GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse_parts, Tensor count, "
                      "Tensor grad_output, int ignore_index, float label_smoothing, float z_loss, float softcap, "
                      "str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
 
@@ -226,16 +233,16 @@ _GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Ten
 def _loss_fake(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
     acc = _accumulation_dtype(x.dtype)
     shape = (x.shape[0],) if reduction == "none" else ()
-    return (x.new_empty(shape, dtype=acc), x.new_empty(x.shape[0], dtype=acc),
+    return (x.new_empty(shape, dtype=acc), x.new_empty((2, x.shape[0]), dtype=acc),
             x.new_empty((), dtype=torch.int64))
 
 
-def _gradients_op(x, weight, bias, target, lse, count, grad_output, *options):
-    grads = gradient_pass(x, weight, bias, target, lse, count, grad_output, *options)
+def _gradients_op(x, weight, bias, target, lse_parts, count, grad_output, *options):
+    grads = gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, *options)
     return tuple(x.new_empty(0) if grad is None else grad for grad in grads)  # the schema's tensors
 
 
-def _gradients_fake(x, weight, bias, target, lse, count, grad_output, *options):
+def _gradients_fake(x, weight, bias, target, lse_parts, count, grad_output, *options):
     wants = options[-1]
     likes = (x, weight, bias)
     return tuple(torch.empty_like(like) if want else x.new_empty(0) for want, like in zip(wants, likes))
@@ -271,11 +278,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, arguments):
         if _is_compiling():
-            loss, lse, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *arguments)
+            loss, lse_parts, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *arguments)
         else:
-            loss, lse, count = loss_pass(x, weight, bias, target, *arguments)
+            loss, lse_parts, count = loss_pass(x, weight, bias, target, *arguments)
         ctx.arguments = arguments
-        ctx.save_for_backward(x, weight, bias, target, lse, count)
+        ctx.save_for_backward(x, weight, bias, target, lse_parts, count)
+        lse = lse_parts.sum(0)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return loss, lse
@@ -287,12 +295,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                "through it is not supported")
         if grad_output is None:
             return None, None, None, None, None
-        x, weight, bias, target, lse, count = ctx.saved_tensors
+        x, weight, bias, target, lse_parts, count = ctx.saved_tensors
         wants = list(ctx.needs_input_grad[:3])
         if _is_compiling():
-            grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, lse, count, grad_output,
-                                                                *ctx.arguments, wants)
+            grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, lse_parts, count,
+                                                                grad_output, *ctx.arguments, wants)
             grads = [grad if want else None for grad, want in zip(grads, wants)]
         else:
-            grads = gradient_pass(x, weight, bias, target, lse, count, grad_output, *ctx.arguments, wants)
+            grads = gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, *ctx.arguments, wants)
         return (*grads, None, None)

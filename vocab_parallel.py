@@ -115,7 +115,8 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         (exp_sum, target_logit, logit_sum, owners), tiled = _all_reduce_sums(
             [exp_sum, stats[2], stats[3], owned.to(stats.dtype)], group, start, local, vocab)
         # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
-        lse = torch.where(tiled, row_max + exp_sum.log(), torch.nan)
+        lse_parts = torch.stack([row_max, torch.where(tiled, exp_sum.log(), torch.nan)])  # as linear_ce.finish_loss's
+        lse = lse_parts.sum(0)
         ignored = target == ignore_index
         counted = ~ignored
         ce = (1 - label_smoothing) * (lse - target_logit) + label_smoothing * (lse - logit_sum / vocab)
@@ -123,7 +124,7 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         loss = torch.where(ignored, 0.0, torch.where(owners > 0, ce + z_loss * lse.square(), torch.nan))
         count = counted.sum()
         ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
-        ctx.save_for_backward(logits, target, lse, count, owners > 0, vocab)
+        ctx.save_for_backward(logits, target, lse_parts, count, owners > 0, vocab)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return linear_ce.reduce_loss(loss, count, reduction), lse
@@ -135,12 +136,12 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("cross_entropy with process_group has no second derivative: "
                                "backward(create_graph=True) through it is not supported")
-        logits, target, lse, count, owned_somewhere, vocab = ctx.saved_tensors  # V: known on the device only
+        logits, target, lse_parts, count, owned_somewhere, vocab = ctx.saved_tensors  # V: known on the device only
         start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, lse.dtype)
+        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, lse_parts.dtype)
         row_scale = torch.where(owned_somewhere | (target == ignore_index), row_scale, torch.nan)
         grad = torch.empty_like(logits)
-        linear_ce.write_gradient(logits, grad, target, start, vocab, lse, row_scale, label_smoothing, z_loss,
+        linear_ce.write_gradient(logits, grad, target, start, vocab, lse_parts, row_scale, label_smoothing, z_loss,
                                  softcap)
         return grad, None, None
 

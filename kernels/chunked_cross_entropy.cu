@@ -10,7 +10,9 @@
 //   stats:    (4, rows) in the accumulation type: running max m, sum of exp(z' - m), the
 //             target's z' (0 until its chunk comes) and the sum of z' (label smoothing).
 //   gradient: d/dz_c = r (p_c (1 + 2 z_loss lse) - eps / classes - (1 - eps) [c == t]) dz'/dz,
-//             p_c = exp(z'_c - lse), r the row's scale (grad_output times the reduction's
+//             p_c = exp((z'_c - m) - log s), lse = m + log s (kept apart: a rounded lse of
+//             60 is 4e-6 off, which p - 1 of a confident row's target turns into a large
+//             relative error), r the row's scale (grad_output times the reduction's
 //             factor; 0 for an ignored row, whose gradient is written as 0; NaN for a
 //             class outside [0, classes), which the forward marked NaN).
 // Bytes per logit (b = element size): stats b, gradient 2b. One warp per row.
@@ -27,29 +29,53 @@ constexpr int kChunkThreads = 256;  // 8 rows a block
 
 constexpr int kUnroll = 4;          // packs a lane loads before it uses the first
 
-// tanh for logits of a 2-byte dtype: 1 - 2 / (e^2|y| + 1) with the hardware's exp and
-// division, absolute error about 1e-7 (the logits carry 2^-9), in a fraction of tanhf's
-// instructions (softcap 30, 8192 x 256000 bf16: tanhf doubled the stats pass, 32 -> 68 us a chunk).
-template <typename T>
-__device__ __forceinline__ acc_type<T> tanh_for(acc_type<T> y) {
-  if constexpr (sizeof(T) == 2) {
-    return copysignf(1.f - __fdividef(2.f, exp2_flush_subnormal(fabsf(y) * (2 * kLog2e)) + 1.f), y);
-  } else if constexpr (std::is_same_v<acc_type<T>, double>) {
-    return tanh(y);
-  } else {
-    return tanhf(y);
-  }
-}
-
+// The capped logit z' = s tanh(y), y = z / s, and its slope dz'/dz = 1 - tanh^2(y), as
+// 4 q (1 - q) with q = 1 / (e^2|y| + 1): written 1 - tanh^2, a saturated logit's slope would be
+// the difference of two numbers near 1 (z = 200, s = 30: 5 bf16 ulps off). For a 2-byte dtype
+// tanh is 1 - 2q too, with the hardware's exp and division (absolute error about 1e-7, the
+// logits carry 2^-9): a fraction of tanhf's instructions (softcap 30, 8192 x 256000 bf16:
+// tanhf doubled the stats pass, 32 -> 68 us a chunk of 4096 classes).
 template <typename T>
 struct Softcap {
   using acc_t = acc_type<T>;
   acc_t cap, inverse;  // cap 0: none. A product, not a division per logit (a division's
                        // dozen instructions made the passes compute-bound)
   __device__ explicit Softcap(double softcap) : cap(softcap), inverse(softcap > 0 ? 1 / softcap : 0) {}
-  __device__ __forceinline__ acc_t apply(acc_t z) const { return cap > 0 ? cap * tanh_for<T>(z * inverse) : z; }
-  __device__ __forceinline__ acc_t derivative(acc_t capped) const {
-    return cap > 0 ? acc_t(1) - (capped * inverse) * (capped * inverse) : acc_t(1);
+
+  // y = z / s: for 4- and 8-byte logits correctly rounded, as torch's z / s.
+  __device__ __forceinline__ acc_t scaled(acc_t z) const { return sizeof(T) == 2 ? z * inverse : z / cap; }
+  // q = 1 / (e^2|y| + 1)
+  __device__ __forceinline__ acc_t q_of(acc_t y) const {
+    if constexpr (sizeof(T) == 2) {
+      return __fdividef(1.f, exp2_flush_subnormal(fabsf(y) * (2 * kLog2e)) + 1.f);
+    } else {
+      return acc_t(1) / (exp_acc(2 * fabs(y)) + acc_t(1));
+    }
+  }
+  __device__ __forceinline__ acc_t tanh_of(acc_t y, acc_t q) const {
+    if constexpr (sizeof(T) == 2) {
+      return copysignf(1.f - 2.f * q, y);
+    } else if constexpr (std::is_same_v<acc_t, double>) {
+      return tanh(y);
+    } else {
+      return tanhf(y);
+    }
+  }
+  __device__ __forceinline__ acc_t apply(acc_t z) const {
+    if (cap == 0) return z;
+    const acc_t y = scaled(z);
+    return cap * tanh_of(y, sizeof(T) == 2 ? q_of(y) : acc_t(0));
+  }
+  // z' and dz'/dz.
+  __device__ __forceinline__ acc_t apply(acc_t z, acc_t& slope) const {
+    if (cap == 0) {
+      slope = 1;
+      return z;
+    }
+    const acc_t y = scaled(z);
+    const acc_t q = q_of(y);
+    slope = 4 * q * (1 - q);
+    return cap * tanh_of(y, q);
   }
 };
 
@@ -123,7 +149,9 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   T* grad = static_cast<T*>(call.grad) + row * call.width;
   const acc_t r = static_cast<const acc_t*>(call.row_scale)[row];
-  const acc_t lse = static_cast<const acc_t*>(call.lse)[row];
+  const acc_t shift = static_cast<const acc_t*>(call.lse_parts)[row];
+  const acc_t log_sum = static_cast<const acc_t*>(call.lse_parts)[call.rows + row];
+  const acc_t lse = shift + log_sum;
   const acc_t eps = static_cast<acc_t>(call.label_smoothing);
   const acc_t a = r * (acc_t(1) + acc_t(2 * call.z_loss) * lse);
   const acc_t classes = call.class_count != nullptr ? *static_cast<const acc_t*>(call.class_count)
@@ -142,11 +170,12 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
       if (i >= call.width) break;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const acc_t capped = softcap.apply(static_cast<acc_t>(packs[u].val[k]));
-        acc_t g = a * exp_minus<T>(capped, lse) - b;
+        acc_t slope;
+        const acc_t capped = softcap.apply(static_cast<acc_t>(packs[u].val[k]), slope);
+        acc_t g = a * exp_minus<T>(capped - shift, log_sum) - b;
         if (i + k == t) g -= r * (acc_t(1) - eps);
         // An ignored row: 0, not 0 times an infinite logit's terms.
-        packs[u].val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * softcap.derivative(capped));
+        packs[u].val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
       }
       store_pack<T, VEC>(grad + i, packs[u]);
     }

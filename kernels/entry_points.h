@@ -443,11 +443,11 @@ inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Te
 }
 
 // Backward: writes the chunk's gradient into `grad` (logits' shape and dtype; it may be
-// `logits`), given each row's lse and scale. class_count: one value of the accumulation type,
+// `logits`), given each row's lse, as (2, rows) parts (max, log sum exp), and scale. class_count: one value of the accumulation type,
 // the number of classes where only the device knows it (vocabulary-parallel), or None: `classes`.
 inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor grad, const at::Tensor& target,
                                            int64_t class_start, int64_t classes,
-                                           const c10::optional<at::Tensor>& class_count, const at::Tensor& lse,
+                                           const c10::optional<at::Tensor>& class_count, const at::Tensor& lse_parts,
                                            const at::Tensor& row_scale, double label_smoothing, double z_loss,
                                            double softcap) {
   CallContext context(logits);
@@ -455,16 +455,16 @@ inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor 
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.is_contiguous(),
               "chunked_cross_entropy: grad must be contiguous, of the logits' shape, dtype and device");
-  check_row_tensor(lse, logits, 1, "lse");
+  check_row_tensor(lse_parts, logits, 2, "lse_parts");
   check_row_tensor(row_scale, logits, 1, "row_scale");
   if (class_count.has_value() && class_count->defined()) {
-    TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == lse.scalar_type() &&
+    TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == lse_parts.scalar_type() &&
                     class_count->device() == logits.device(),
                 "chunked_cross_entropy: class_count must be one value of lse's dtype on the logits' device");
     call.class_count = class_count->data_ptr();
   }
   call.grad = grad.data_ptr();
-  call.lse = lse.data_ptr();
+  call.lse_parts = lse_parts.data_ptr();
   call.row_scale = row_scale.data_ptr();
   call.label_smoothing = label_smoothing;
   call.z_loss = z_loss;

@@ -117,7 +117,7 @@ struct LogitChunkCall {
   bool target_int32;
   double softcap;       // 0: none
   void* stats;          // forward: (4, rows) in the accumulation type, updated
-  const void* lse;      // backward: (rows) in the accumulation type
+  const void* lse_parts;  // backward: (2, rows) in the accumulation type: each row's max m and log(sum exp(z' - m))
   const void* row_scale;  // backward: (rows) in the accumulation type
   const void* class_count;  // backward: one value of the accumulation type in place of `classes`, or nullptr
   double label_smoothing, z_loss;
