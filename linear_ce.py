@@ -2,9 +2,9 @@
 
 The two row passes over a chunk of classes of every row (kernels/chunked_cross_entropy.cu on
 CUDA, the same math in torch ops elsewhere): fold_stats folds a chunk into each row's running
-statistics (max, sum of exp, target logit, logit sum, in float32; float64 for float64), from
-which finish_loss gives lse and the loss; write_gradient, given every row's lse and scale,
-writes the chunk's gradient. losses.py runs them over whole rows (cross_entropy with softcap),
+statistics (max, sum of exp, target logit, logit sum, sum of exp over the other classes, in
+float32; float64 for float64), from which finish_loss gives the loss and the softmax's
+statistics; write_gradient, given those and each row's scale, writes the chunk's gradient. losses.py runs them over whole rows (cross_entropy with softcap),
 vocab_parallel.py over this rank's shard, and linear_cross_entropy over chunks of logits:
 
 linear_cross_entropy, F.cross_entropy(F.linear(input, weight, bias), target) without the (N, V)
@@ -64,8 +64,8 @@ def _capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
 # The row passes.
 
 def new_stats(rows: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Running statistics of no class yet, for logits of `dtype`: (4, rows)."""
-    stats = torch.zeros(4, rows, dtype=_accumulation_dtype(dtype), device=device)
+    """Running statistics of no class yet, for logits of `dtype`: (5, rows)."""
+    stats = torch.zeros(5, rows, dtype=_accumulation_dtype(dtype), device=device)
     stats[0] = -torch.inf
     return stats
 
@@ -80,16 +80,21 @@ def fold_stats(z, target, start: int, classes: int, stats, softcap: float) -> No
 
 
 def finish_loss(stats, target, ignore_index: int, classes: int, label_smoothing: float, z_loss: float):
-    """(per-row loss, lse_parts, count) from complete statistics: loss 0 for an ignored row, NaN
-    for a class outside [0, classes); lse_parts (2, rows): each row's max and log(sum exp), whose
-    sum is the lse (write_gradient takes them apart); count: the rows not ignored (0-dim, on the
-    device: no host sync)."""
-    lse_parts = torch.stack([stats[0], torch.log(stats[1])])
-    lse = lse_parts.sum(0)
+    """(per-row loss, softmax_stats, count) from complete statistics: loss 0 for an ignored row, NaN
+    for a class outside [0, classes); softmax_stats (3, rows): each row's max and log(sum exp),
+    whose sum is the lse (lse_of; write_gradient takes them apart), and its target's p - 1 as
+    -(the other classes' sum) / (the sum), which does not cancel; count: the rows not ignored
+    (0-dim, on the device: no host sync)."""
+    softmax_stats = torch.stack([stats[0], torch.log(stats[1]), -stats[4] / stats[1]])
+    lse = lse_of(softmax_stats)
     counted, invalid = _row_counts(target, ignore_index, classes)
     ce = (1 - label_smoothing) * (lse - stats[2]) + label_smoothing * (lse - stats[3] / classes)
     loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
-    return loss, lse_parts, counted.sum()
+    return loss, softmax_stats, counted.sum()
+
+
+def lse_of(softmax_stats):
+    return softmax_stats[0] + softmax_stats[1]
 
 
 def reduce_loss(loss, count, reduction: str):
@@ -108,19 +113,19 @@ def row_scales(grad_output, target, count, ignore_index: int, classes: int, redu
     return torch.where(invalid, torch.nan, torch.where(counted, scale, 0.0)).contiguous()
 
 
-def write_gradient(z, grad, target, start: int, classes, lse_parts, row_scale, label_smoothing: float,
+def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scale, label_smoothing: float,
                    z_loss: float, softcap: float) -> None:
     """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself), given
-    finish_loss's lse_parts. classes: an int, or a 0-dim tensor of lse_parts' dtype where only
+    finish_loss's softmax_stats. classes: an int, or a 0-dim tensor of softmax_stats' dtype where only
     the device knows it."""
     ops = _row_ops(z)
     if ops is None:
-        _gradient_torch(z, grad, target, start, classes, lse_parts, row_scale, label_smoothing, z_loss, softcap)
+        _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
     elif isinstance(classes, torch.Tensor):
-        ops.backward(z, grad, target, start, start + z.shape[1], classes, lse_parts, row_scale, label_smoothing,
+        ops.backward(z, grad, target, start, start + z.shape[1], classes, softmax_stats, row_scale, label_smoothing,
                      z_loss, softcap)
     else:
-        ops.backward(z, grad, target, start, classes, None, lse_parts, row_scale, label_smoothing, z_loss, softcap)
+        ops.backward(z, grad, target, start, classes, None, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
 
 
 def _row_ops(z: torch.Tensor):
@@ -137,31 +142,37 @@ def _row_ops(z: torch.Tensor):
 
 def _stats_torch(z, target, start, vocab, stats, softcap):
     z = _capped(z.to(stats.dtype), softcap)
-    run_max, run_sum = stats[0], stats[1]
+    run_max = stats[0]
     chunk_max = z.amax(1)
-    chunk_sum = torch.where(chunk_max == -torch.inf, 0.0, torch.exp(z - chunk_max[:, None]).sum(1))
-    new_max = torch.maximum(run_max, chunk_max)
-    run_sum.copy_(torch.where(run_max == new_max, run_sum, run_sum * torch.exp(run_max - new_max)) +
-                  torch.where(chunk_max == new_max, chunk_sum, chunk_sum * torch.exp(chunk_max - new_max)))
-    run_max.copy_(new_max)
+    e = torch.where(chunk_max[:, None] == -torch.inf, 0.0, torch.exp(z - chunk_max[:, None]))
     index = target - start
     inside = (index >= 0) & (index < z.shape[1])
-    stats[2] = torch.where(inside, z.gather(1, index.clamp(0, z.shape[1] - 1).long()[:, None])[:, 0], stats[2])
+    at_target = index.clamp(0, z.shape[1] - 1).long()[:, None]
+    others = e.scatter(1, at_target, torch.where(inside[:, None], 0.0, e.gather(1, at_target))).sum(1)
+    new_max = torch.maximum(run_max, chunk_max)
+    old_scale = torch.where(run_max == new_max, 1.0, torch.exp(run_max - new_max))
+    new_scale = torch.where(chunk_max == new_max, 1.0, torch.exp(chunk_max - new_max))
+    stats[1] = stats[1] * old_scale + e.sum(1) * new_scale
+    stats[4] = stats[4] * old_scale + others * new_scale
+    stats[0] = new_max
+    stats[2] = torch.where(inside, z.gather(1, at_target)[:, 0], stats[2])
     stats[3] += z.sum(1)
 
 
-def _gradient_torch(z, out, target, start, vocab, lse_parts, row_scale, label_smoothing, z_loss, softcap):
-    capped = _capped(z.to(lse_parts.dtype), softcap)
-    lse = lse_parts.sum(0)
-    grad = torch.exp((capped - lse_parts[0, :, None]) - lse_parts[1, :, None])
-    grad.mul_((row_scale * (1 + 2 * z_loss * lse))[:, None])
-    grad.sub_((row_scale * label_smoothing / vocab)[:, None])
+def _gradient_torch(z, out, target, start, vocab, softmax_stats, row_scale, label_smoothing, z_loss, softcap):
+    capped = _capped(z.to(softmax_stats.dtype), softcap)
+    p = torch.exp((capped - softmax_stats[0, :, None]) - softmax_stats[1, :, None])
+    a = row_scale * (1 + 2 * z_loss * lse_of(softmax_stats))
+    grad = p * a[:, None] - (row_scale * label_smoothing / vocab)[:, None]
     index = target - start
     inside = (index >= 0) & (index < z.shape[1])
-    grad.scatter_add_(1, index.clamp(0, z.shape[1] - 1).long()[:, None],
-                      torch.where(inside, -row_scale * (1 - label_smoothing), 0.0)[:, None])
+    at_target = index.clamp(0, z.shape[1] - 1).long()[:, None]
+    # At the target a p - r (1 - eps) - b, with p - 1 given: r (p - 1) + (a - r) p + r eps - b.
+    at = (row_scale * softmax_stats[2] + (a - row_scale) * p.gather(1, at_target)[:, 0] + row_scale * label_smoothing
+          - row_scale * label_smoothing / vocab)
+    grad.scatter_(1, at_target, torch.where(inside, at, grad.gather(1, at_target)[:, 0])[:, None])
     if softcap:  # 1 - tanh^2 as 4 q (1 - q), q = 1 / (e^2|y| + 1): no cancellation where it saturates
-        q = 1 / (torch.exp(2 * (z.to(lse_parts.dtype) / softcap).abs()) + 1)
+        q = 1 / (torch.exp(2 * (z.to(softmax_stats.dtype) / softcap).abs()) + 1)
         grad.mul_(4 * q * (1 - q))
     out.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
 
@@ -186,19 +197,19 @@ def _row_counts(target, ignore_index, vocab):
 
 def loss_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
               reduction: str):
-    """The forward: (loss, lse_parts, count) (finish_loss's), loss reduced: 0-dim, or (N,) for 'none'."""
+    """The forward: (loss, softmax_stats, count) (finish_loss's), loss reduced: 0-dim, or (N,) for 'none'."""
     rows, vocab = x.shape[0], weight.shape[0]
     stats = new_stats(rows, x.dtype, x.device)
     for start, w, b in _chunks(weight, bias, chunk_width(rows, vocab, x.element_size())):
         fold_stats(F.linear(x, w, b), target, start, vocab, stats, softcap)
-    loss, lse_parts, count = finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
-    return reduce_loss(loss, count, reduction), lse_parts, count
+    loss, softmax_stats, count = finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
+    return reduce_loss(loss, count, reduction), softmax_stats, count
 
 
-def gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, ignore_index: int,
+def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ignore_index: int,
                   label_smoothing: float, z_loss: float, softcap: float, reduction: str, wants):
     """The backward: the gradients of input, weight and bias (None where wants says no)."""
-    acc = lse_parts.dtype
+    acc = softmax_stats.dtype
     vocab = weight.shape[0]
     row_scale = row_scales(grad_output, target, count, ignore_index, vocab, reduction, acc)
     grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if wants[0] else None
@@ -206,7 +217,7 @@ def gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, ignore
     grad_b = torch.empty(vocab, dtype=acc, device=x.device) if wants[2] else None
     for start, w, b in _chunks(weight, bias, chunk_width(x.shape[0], vocab, x.element_size())):
         g = F.linear(x, w, b)
-        write_gradient(g, g, target, start, vocab, lse_parts, row_scale, label_smoothing, z_loss, softcap)  # in place
+        write_gradient(g, g, target, start, vocab, softmax_stats, row_scale, label_smoothing, z_loss, softcap)  # in place
         end = start + g.shape[1]
         if wants[0]:
             _add_matmul_(grad_x, g, w)
@@ -225,7 +236,7 @@ def gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, ignore
 
 _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
                 "float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
-_GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor lse_parts, Tensor count, "
+_GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor softmax_stats, Tensor count, "
                      "Tensor grad_output, int ignore_index, float label_smoothing, float z_loss, float softcap, "
                      "str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
 
@@ -233,16 +244,16 @@ _GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Ten
 def _loss_fake(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
     acc = _accumulation_dtype(x.dtype)
     shape = (x.shape[0],) if reduction == "none" else ()
-    return (x.new_empty(shape, dtype=acc), x.new_empty((2, x.shape[0]), dtype=acc),
+    return (x.new_empty(shape, dtype=acc), x.new_empty((3, x.shape[0]), dtype=acc),
             x.new_empty((), dtype=torch.int64))
 
 
-def _gradients_op(x, weight, bias, target, lse_parts, count, grad_output, *options):
-    grads = gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, *options)
+def _gradients_op(x, weight, bias, target, softmax_stats, count, grad_output, *options):
+    grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *options)
     return tuple(x.new_empty(0) if grad is None else grad for grad in grads)  # the schema's tensors
 
 
-def _gradients_fake(x, weight, bias, target, lse_parts, count, grad_output, *options):
+def _gradients_fake(x, weight, bias, target, softmax_stats, count, grad_output, *options):
     wants = options[-1]
     likes = (x, weight, bias)
     return tuple(torch.empty_like(like) if want else x.new_empty(0) for want, like in zip(wants, likes))
@@ -278,12 +289,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, arguments):
         if _is_compiling():
-            loss, lse_parts, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *arguments)
+            loss, softmax_stats, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *arguments)
         else:
-            loss, lse_parts, count = loss_pass(x, weight, bias, target, *arguments)
+            loss, softmax_stats, count = loss_pass(x, weight, bias, target, *arguments)
         ctx.arguments = arguments
-        ctx.save_for_backward(x, weight, bias, target, lse_parts, count)
-        lse = lse_parts.sum(0)
+        ctx.save_for_backward(x, weight, bias, target, softmax_stats, count)
+        lse = lse_of(softmax_stats)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return loss, lse
@@ -295,12 +306,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                "through it is not supported")
         if grad_output is None:
             return None, None, None, None, None
-        x, weight, bias, target, lse_parts, count = ctx.saved_tensors
+        x, weight, bias, target, softmax_stats, count = ctx.saved_tensors
         wants = list(ctx.needs_input_grad[:3])
         if _is_compiling():
-            grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, lse_parts, count,
+            grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, softmax_stats, count,
                                                                 grad_output, *ctx.arguments, wants)
             grads = [grad if want else None for grad, want in zip(grads, wants)]
         else:
-            grads = gradient_pass(x, weight, bias, target, lse_parts, count, grad_output, *ctx.arguments, wants)
+            grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *ctx.arguments, wants)
         return (*grads, None, None)

@@ -253,7 +253,7 @@ KERNEL_OPS = {
         "forward": ("(Tensor logits, Tensor target, int class_start, int classes, Tensor(a!) stats, "
                     "float softcap) -> ()", _no_outputs_fake),
         "backward": ("(Tensor logits, Tensor(a!) grad, Tensor target, int class_start, int classes, "
-                     "Tensor? class_count, Tensor lse_parts, Tensor row_scale, float label_smoothing, float z_loss, "
+                     "Tensor? class_count, Tensor softmax_stats, Tensor row_scale, float label_smoothing, float z_loss, "
                      "float softcap) -> ()", _no_outputs_fake),
     },
     "mse": {
@@ -579,10 +579,10 @@ class _SoftcapCrossEntropyFunction(torch.autograd.Function):
         classes = logits.shape[1]
         stats = linear_ce.new_stats(logits.shape[0], logits.dtype, logits.device)
         linear_ce.fold_stats(logits, target, 0, classes, stats, softcap)
-        loss, lse_parts, count = linear_ce.finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
+        loss, softmax_stats, count = linear_ce.finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
         ctx.arguments = arguments
-        ctx.save_for_backward(logits, target, lse_parts, count)
-        lse = lse_parts.sum(0)
+        ctx.save_for_backward(logits, target, softmax_stats, count)
+        lse = linear_ce.lse_of(softmax_stats)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return linear_ce.reduce_loss(loss, count, reduction), lse
@@ -594,13 +594,13 @@ class _SoftcapCrossEntropyFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("cross_entropy with softcap has no second derivative: backward(create_graph=True) "
                                "through it is not supported")
-        logits, target, lse_parts, count = ctx.saved_tensors
+        logits, target, softmax_stats, count = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap, reduction = ctx.arguments
         classes = logits.shape[1]
         row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, classes, reduction,
-                                         lse_parts.dtype)
+                                         softmax_stats.dtype)
         grad = torch.empty_like(logits)
-        linear_ce.write_gradient(logits, grad, target, 0, classes, lse_parts, row_scale, label_smoothing, z_loss,
+        linear_ce.write_gradient(logits, grad, target, 0, classes, softmax_stats, row_scale, label_smoothing, z_loss,
                                  softcap)
         return grad, None, None
 

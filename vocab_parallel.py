@@ -111,12 +111,14 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         row_max, vocab = maxima[:rows], maxima[rows]
         index = target.long() - start
         owned = (index >= 0) & (index < local) & (target != ignore_index)
-        exp_sum = torch.where(stats[0] == row_max, stats[1], stats[1] * torch.exp(stats[0] - row_max))
-        (exp_sum, target_logit, logit_sum, owners), tiled = _all_reduce_sums(
-            [exp_sum, stats[2], stats[3], owned.to(stats.dtype)], group, start, local, vocab)
-        # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
-        lse_parts = torch.stack([row_max, torch.where(tiled, exp_sum.log(), torch.nan)])  # as linear_ce.finish_loss's
-        lse = lse_parts.sum(0)
+        to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
+        (exp_sum, target_logit, logit_sum, others, owners), tiled = _all_reduce_sums(
+            [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global, owned.to(stats.dtype)], group, start,
+            local, vocab)
+        # As linear_ce.finish_loss's. Shards that do not tile [0, V) (a layout this rank checked
+        # before, another rank's changed): NaN.
+        softmax_stats = torch.stack([row_max, torch.where(tiled, exp_sum.log(), torch.nan), -others / exp_sum])
+        lse = linear_ce.lse_of(softmax_stats)
         ignored = target == ignore_index
         counted = ~ignored
         ce = (1 - label_smoothing) * (lse - target_logit) + label_smoothing * (lse - logit_sum / vocab)
@@ -124,7 +126,7 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         loss = torch.where(ignored, 0.0, torch.where(owners > 0, ce + z_loss * lse.square(), torch.nan))
         count = counted.sum()
         ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
-        ctx.save_for_backward(logits, target, lse_parts, count, owners > 0, vocab)
+        ctx.save_for_backward(logits, target, softmax_stats, count, owners > 0, vocab)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return linear_ce.reduce_loss(loss, count, reduction), lse
@@ -136,12 +138,12 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("cross_entropy with process_group has no second derivative: "
                                "backward(create_graph=True) through it is not supported")
-        logits, target, lse_parts, count, owned_somewhere, vocab = ctx.saved_tensors  # V: known on the device only
+        logits, target, softmax_stats, count, owned_somewhere, vocab = ctx.saved_tensors  # V: known on the device only
         start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, lse_parts.dtype)
+        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, softmax_stats.dtype)
         row_scale = torch.where(owned_somewhere | (target == ignore_index), row_scale, torch.nan)
         grad = torch.empty_like(logits)
-        linear_ce.write_gradient(logits, grad, target, start, vocab, lse_parts, row_scale, label_smoothing, z_loss,
+        linear_ce.write_gradient(logits, grad, target, start, vocab, softmax_stats, row_scale, label_smoothing, z_loss,
                                  softcap)
         return grad, None, None
 

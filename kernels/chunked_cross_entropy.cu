@@ -7,12 +7,14 @@
 // statistics combined across ranks between the passes).
 //
 // With softcap s the logits are z' = s tanh(z / s) (Gemma 2), and dz'/dz = 1 - (z'/s)^2.
-//   stats:    (4, rows) in the accumulation type: running max m, sum of exp(z' - m), the
-//             target's z' (0 until its chunk comes) and the sum of z' (label smoothing).
+//   stats:    (5, rows) in the accumulation type: running max m, sum s of exp(z' - m), the
+//             target's z' (0 until its chunk comes), the sum of z' (label smoothing) and the
+//             sum of exp(z' - m) over the classes other than the target.
 //   gradient: d/dz_c = r (p_c (1 + 2 z_loss lse) - eps / classes - (1 - eps) [c == t]) dz'/dz,
 //             p_c = exp((z'_c - m) - log s), lse = m + log s (kept apart: a rounded lse of
-//             60 is 4e-6 off, which p - 1 of a confident row's target turns into a large
-//             relative error), r the row's scale (grad_output times the reduction's
+//             60 is 4e-6 off), and at the target p_t - 1 = -(the others' sum) / s: written
+//             p_t - 1 it cancels in a confident row (1e-5 off 1: 50 fp16 ulps), r the
+//             row's scale (grad_output times the reduction's
 //             factor; 0 for an ignored row, whose gradient is written as 0; NaN for a
 //             class outside [0, classes), which the forward marked NaN).
 // Bytes per logit (b = element size): stats b, gradient 2b. One warp per row.
@@ -32,39 +34,39 @@ constexpr int kUnroll = 4;          // packs a lane loads before it uses the fir
 // The capped logit z' = s tanh(y), y = z / s, and its slope dz'/dz = 1 - tanh^2(y), as
 // 4 q (1 - q) with q = 1 / (e^2|y| + 1): written 1 - tanh^2, a saturated logit's slope would be
 // the difference of two numbers near 1 (z = 200, s = 30: 5 bf16 ulps off). For a 2-byte dtype
-// tanh is 1 - 2q too, with the hardware's exp and division (absolute error about 1e-7, the
-// logits carry 2^-9): a fraction of tanhf's instructions (softcap 30, 8192 x 256000 bf16:
-// tanhf doubled the stats pass, 32 -> 68 us a chunk of 4096 classes).
+// in float, with the hardware's exp and division, tanh = 1 - 2q (absolute error about 1e-7; the
+// logits carry 2^-9), a fraction of tanhf's instructions (softcap 30, 8192 x 256000 bf16: tanhf
+// doubled the stats pass, 32 -> 68 us a chunk of 4096 classes). For float32 logits in double:
+// tanhf's and expf's 2 ulps made a 6-class gradient 3x eager's error against float64.
 template <typename T>
 struct Softcap {
   using acc_t = acc_type<T>;
-  acc_t cap, inverse;  // cap 0: none. A product, not a division per logit (a division's
-                       // dozen instructions made the passes compute-bound)
+  using math_t = std::conditional_t<sizeof(T) == 2, float, double>;
+  math_t cap, inverse;  // cap 0: none. For 2-byte logits a product, not a division per logit
+                        // (a division's dozen instructions made the passes compute-bound)
   __device__ explicit Softcap(double softcap) : cap(softcap), inverse(softcap > 0 ? 1 / softcap : 0) {}
 
-  // y = z / s: for 4- and 8-byte logits correctly rounded, as torch's z / s.
-  __device__ __forceinline__ acc_t scaled(acc_t z) const { return sizeof(T) == 2 ? z * inverse : z / cap; }
-  // q = 1 / (e^2|y| + 1)
-  __device__ __forceinline__ acc_t q_of(acc_t y) const {
+  __device__ __forceinline__ math_t q_of(math_t y) const {
     if constexpr (sizeof(T) == 2) {
       return __fdividef(1.f, exp2_flush_subnormal(fabsf(y) * (2 * kLog2e)) + 1.f);
     } else {
-      return acc_t(1) / (exp_acc(2 * fabs(y)) + acc_t(1));
+      return 1 / (exp(2 * fabs(y)) + 1);
     }
   }
-  __device__ __forceinline__ acc_t tanh_of(acc_t y, acc_t q) const {
+  __device__ __forceinline__ math_t y_of(acc_t z) const {
+    return sizeof(T) == 2 ? static_cast<math_t>(z) * inverse : static_cast<math_t>(z) / cap;
+  }
+  __device__ __forceinline__ math_t tanh_of(math_t y, math_t q) const {
     if constexpr (sizeof(T) == 2) {
       return copysignf(1.f - 2.f * q, y);
-    } else if constexpr (std::is_same_v<acc_t, double>) {
-      return tanh(y);
     } else {
-      return tanhf(y);
+      return tanh(y);
     }
   }
   __device__ __forceinline__ acc_t apply(acc_t z) const {
     if (cap == 0) return z;
-    const acc_t y = scaled(z);
-    return cap * tanh_of(y, sizeof(T) == 2 ? q_of(y) : acc_t(0));
+    const math_t y = y_of(z);
+    return static_cast<acc_t>(cap * tanh_of(y, sizeof(T) == 2 ? q_of(y) : math_t(0)));
   }
   // z' and dz'/dz.
   __device__ __forceinline__ acc_t apply(acc_t z, acc_t& slope) const {
@@ -72,10 +74,10 @@ struct Softcap {
       slope = 1;
       return z;
     }
-    const acc_t y = scaled(z);
-    const acc_t q = q_of(y);
-    slope = 4 * q * (1 - q);
-    return cap * tanh_of(y, q);
+    const math_t y = y_of(z);
+    const math_t q = q_of(y);
+    slope = static_cast<acc_t>(4 * q * (1 - q));
+    return static_cast<acc_t>(cap * tanh_of(y, q));
   }
 };
 
@@ -92,8 +94,9 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
   if (row >= call.rows) return;
   const Softcap<T> softcap(call.softcap);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
-  // Per lane: a running max and sum of exp, rescaled once per pack.
-  acc_t m = -infinity<acc_t>(), s = 0, sum = 0;
+  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
+  // Per lane: a running max and sums of exp (all classes, the others), rescaled once per pack.
+  acc_t m = -infinity<acc_t>(), s = 0, others = 0, sum = 0;
   for (int64_t first = int64_t(lane) * VEC; first < call.width; first += 32 * VEC * kUnroll) {
     Pack<T, VEC> packs[kUnroll];
 #pragma unroll
@@ -112,28 +115,37 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
         sum += v[k];
       }
       if (pack_max > m) {  // from -inf too: exp(-inf) = 0, and a NaN sum stays NaN
-        s *= exp_minus<T>(m, pack_max);
+        const acc_t rescale = exp_minus<T>(m, pack_max);
+        s *= rescale;
+        others *= rescale;
         m = pack_max;
       }
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) s += v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
+      for (int k = 0; k < VEC; ++k) {
+        const acc_t e = v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
+        s += e;
+        others += first + u * 32 * VEC + k == t ? acc_t(0) : e;
+      }
     }
   }
   // The warp's max, each lane's sum moved onto it, then the row's.
   const acc_t row_max = warp_allreduce(m, MaxOp());
-  s = m == row_max ? s : s * exp_minus<T>(m, row_max);
-  s = warp_allreduce(s, SumOp<acc_t>());
+  const acc_t to_row = m == row_max ? acc_t(1) : exp_minus<T>(m, row_max);
+  s = warp_allreduce(s * to_row, SumOp<acc_t>());
+  others = warp_allreduce(others * to_row, SumOp<acc_t>());
   sum = warp_allreduce(sum, SumOp<acc_t>());
   if (lane != 0) return;
   acc_t* stats = static_cast<acc_t*>(call.stats);
   acc_t& run_max = stats[row];
   acc_t& run_sum = stats[call.rows + row];
+  acc_t& run_others = stats[4 * call.rows + row];
   // A NaN logit lives on in the sums (max_acc drops it).
   const acc_t new_max = max_acc(run_max, row_max);
-  run_sum = (run_max == new_max ? run_sum : run_sum * exp_minus<T>(run_max, new_max)) +
-            (row_max == new_max ? s : s * exp_minus<T>(row_max, new_max));
+  const acc_t old_scale = run_max == new_max ? acc_t(1) : exp_minus<T>(run_max, new_max);
+  const acc_t new_scale = row_max == new_max ? acc_t(1) : exp_minus<T>(row_max, new_max);
+  run_sum = run_sum * old_scale + s * new_scale;
+  run_others = run_others * old_scale + others * new_scale;
   run_max = new_max;
-  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
   if (t >= 0 && t < call.width) stats[2 * call.rows + row] = softcap.apply(static_cast<acc_t>(z[t]));
   stats[3 * call.rows + row] += sum;
 }
@@ -149,8 +161,9 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   T* grad = static_cast<T*>(call.grad) + row * call.width;
   const acc_t r = static_cast<const acc_t*>(call.row_scale)[row];
-  const acc_t shift = static_cast<const acc_t*>(call.lse_parts)[row];
-  const acc_t log_sum = static_cast<const acc_t*>(call.lse_parts)[call.rows + row];
+  const acc_t shift = static_cast<const acc_t*>(call.softmax_stats)[row];
+  const acc_t log_sum = static_cast<const acc_t*>(call.softmax_stats)[call.rows + row];
+  const acc_t target_p_minus_1 = static_cast<const acc_t*>(call.softmax_stats)[2 * call.rows + row];
   const acc_t lse = shift + log_sum;
   const acc_t eps = static_cast<acc_t>(call.label_smoothing);
   const acc_t a = r * (acc_t(1) + acc_t(2 * call.z_loss) * lse);
@@ -172,8 +185,9 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
       for (int k = 0; k < VEC; ++k) {
         acc_t slope;
         const acc_t capped = softcap.apply(static_cast<acc_t>(packs[u].val[k]), slope);
-        acc_t g = a * exp_minus<T>(capped - shift, log_sum) - b;
-        if (i + k == t) g -= r * (acc_t(1) - eps);
+        const acc_t p = exp_minus<T>(capped - shift, log_sum);
+        // At the target a p - r (1 - eps) - b, with p - 1 given.
+        const acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
         // An ignored row: 0, not 0 times an infinite logit's terms.
         packs[u].val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
       }

@@ -432,22 +432,25 @@ inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits,
               "accumulation type on the logits' device");
 }
 
-// Forward: folds the chunk into stats (4, rows): running max, sum of exp, target logit, logit sum.
+// Forward: folds the chunk into stats (5, rows): running max, sum of exp, target logit, logit
+// sum, sum of exp over the other classes.
 inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
                                           int64_t classes, at::Tensor stats, double softcap) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
-  check_row_tensor(stats, logits, 4, "stats");
+  check_row_tensor(stats, logits, 5, "stats");
   call.stats = stats.data_ptr();
   run_kernels([&] { logit_chunk_stats_launch(call, context.launch()); });
 }
 
 // Backward: writes the chunk's gradient into `grad` (logits' shape and dtype; it may be
-// `logits`), given each row's lse, as (2, rows) parts (max, log sum exp), and scale. class_count: one value of the accumulation type,
-// the number of classes where only the device knows it (vocabulary-parallel), or None: `classes`.
+// `logits`), given each row's softmax_stats (3, rows: max, log sum exp, the target's p - 1)
+// and scale. class_count: one value of the accumulation type, the number of classes where only
+// the device knows it (vocabulary-parallel), or None: `classes`.
 inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor grad, const at::Tensor& target,
                                            int64_t class_start, int64_t classes,
-                                           const c10::optional<at::Tensor>& class_count, const at::Tensor& lse_parts,
+                                           const c10::optional<at::Tensor>& class_count,
+                                           const at::Tensor& softmax_stats,
                                            const at::Tensor& row_scale, double label_smoothing, double z_loss,
                                            double softcap) {
   CallContext context(logits);
@@ -455,16 +458,16 @@ inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor 
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.is_contiguous(),
               "chunked_cross_entropy: grad must be contiguous, of the logits' shape, dtype and device");
-  check_row_tensor(lse_parts, logits, 2, "lse_parts");
+  check_row_tensor(softmax_stats, logits, 3, "softmax_stats");
   check_row_tensor(row_scale, logits, 1, "row_scale");
   if (class_count.has_value() && class_count->defined()) {
-    TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == lse_parts.scalar_type() &&
+    TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == softmax_stats.scalar_type() &&
                     class_count->device() == logits.device(),
                 "chunked_cross_entropy: class_count must be one value of lse's dtype on the logits' device");
     call.class_count = class_count->data_ptr();
   }
   call.grad = grad.data_ptr();
-  call.lse_parts = lse_parts.data_ptr();
+  call.softmax_stats = softmax_stats.data_ptr();
   call.row_scale = row_scale.data_ptr();
   call.label_smoothing = label_smoothing;
   call.z_loss = z_loss;

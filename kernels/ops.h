@@ -116,8 +116,9 @@ struct LogitChunkCall {
   const void* target;   // (rows) class indices, int64 or int32 with target_int32
   bool target_int32;
   double softcap;       // 0: none
-  void* stats;          // forward: (4, rows) in the accumulation type, updated
-  const void* lse_parts;  // backward: (2, rows) in the accumulation type: each row's max m and log(sum exp(z' - m))
+  void* stats;          // forward: (5, rows) in the accumulation type, updated
+  const void* softmax_stats;  // backward: (3, rows) in the accumulation type: each row's max m,
+                              // log(sum exp(z' - m)) and its target's p - 1
   const void* row_scale;  // backward: (rows) in the accumulation type
   const void* class_count;  // backward: one value of the accumulation type in place of `classes`, or nullptr
   double label_smoothing, z_loss;
