@@ -931,7 +931,7 @@ def run(args):
     reps = args.reps or (10 if args.quick else 50)
     warmup = 5 if args.quick else 10
     if args.vocab_parallel:
-        os.environ.pop("FUSED_LOSSES_STRICT", None)  # its local work is torch ops for now
+        os.environ["FUSED_LOSSES_STRICT"] = "1"  # ours: the row passes, never the torch-op path
         if torch.cuda.device_count() < 2:
             print("--vocab-parallel needs 2 GPUs", file=sys.stderr)
             return 2

@@ -125,7 +125,7 @@ def worker(rank, backend, store_path, cases, failures):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        os.environ.pop("FUSED_LOSSES_STRICT", None)  # the local work runs torch ops on CUDA too, for now
+        os.environ.pop("FUSED_LOSSES_STRICT", None)  # class weights and probabilities take torch ops
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         group = dist.group.WORLD
