@@ -195,38 +195,55 @@ def _row_counts(target, ignore_index, vocab):
 # ----------------------------------------------------------------------------------
 # Linear + cross-entropy.
 
+def fold_linear(x, weight, bias, target, start: int, softcap: float):
+    """The statistics of F.linear(x, weight, bias)'s rows, classes [start, start + V) of weight's V
+    rows (start > 0: a shard of a larger vocabulary), a chunk of classes at a time."""
+    rows, local = x.shape[0], weight.shape[0]
+    stats = new_stats(rows, x.dtype, x.device)
+    for first, w, b in _chunks(weight, bias, chunk_width(rows, local, x.element_size())):
+        fold_stats(F.linear(x, w, b), target, start + first, start + local, stats, softcap)
+    return stats
+
+
+def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats, row_scale,
+                     label_smoothing: float, z_loss: float, softcap: float, wants):
+    """The gradients of input (in the accumulation type), weight and bias (None where wants says
+    no), the logits recomputed a chunk at a time; classes as write_gradient's."""
+    acc = softmax_stats.dtype
+    local = weight.shape[0]
+    grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if wants[0] else None
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if wants[1] else None
+    grad_b = torch.empty(local, dtype=acc, device=x.device) if wants[2] else None
+    for first, w, b in _chunks(weight, bias, chunk_width(x.shape[0], local, x.element_size())):
+        g = F.linear(x, w, b)
+        write_gradient(g, g, target, start + first, classes, softmax_stats, row_scale, label_smoothing, z_loss,
+                       softcap)  # in place
+        end = first + g.shape[1]
+        if wants[0]:
+            _add_matmul_(grad_x, g, w)
+        if wants[1]:
+            torch.mm(g.t(), x, out=grad_w[first:end])
+        if wants[2]:
+            torch.sum(g, 0, dtype=acc, out=grad_b[first:end])
+    return grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+
+
 def loss_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
               reduction: str):
     """The forward: (loss, softmax_stats, count) (finish_loss's), loss reduced: 0-dim, or (N,) for 'none'."""
-    rows, vocab = x.shape[0], weight.shape[0]
-    stats = new_stats(rows, x.dtype, x.device)
-    for start, w, b in _chunks(weight, bias, chunk_width(rows, vocab, x.element_size())):
-        fold_stats(F.linear(x, w, b), target, start, vocab, stats, softcap)
-    loss, softmax_stats, count = finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
+    stats = fold_linear(x, weight, bias, target, 0, softcap)
+    loss, softmax_stats, count = finish_loss(stats, target, ignore_index, weight.shape[0], label_smoothing, z_loss)
     return reduce_loss(loss, count, reduction), softmax_stats, count
 
 
 def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ignore_index: int,
                   label_smoothing: float, z_loss: float, softcap: float, reduction: str, wants):
     """The backward: the gradients of input, weight and bias (None where wants says no)."""
-    acc = softmax_stats.dtype
     vocab = weight.shape[0]
-    row_scale = row_scales(grad_output, target, count, ignore_index, vocab, reduction, acc)
-    grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if wants[0] else None
-    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if wants[1] else None
-    grad_b = torch.empty(vocab, dtype=acc, device=x.device) if wants[2] else None
-    for start, w, b in _chunks(weight, bias, chunk_width(x.shape[0], vocab, x.element_size())):
-        g = F.linear(x, w, b)
-        write_gradient(g, g, target, start, vocab, softmax_stats, row_scale, label_smoothing, z_loss, softcap)  # in place
-        end = start + g.shape[1]
-        if wants[0]:
-            _add_matmul_(grad_x, g, w)
-        if wants[1]:
-            torch.mm(g.t(), x, out=grad_w[start:end])
-        if wants[2]:
-            torch.sum(g, 0, dtype=acc, out=grad_b[start:end])
-    return (None if grad_x is None else grad_x.to(x.dtype), grad_w,
-            None if grad_b is None else grad_b.to(bias.dtype))
+    row_scale = row_scales(grad_output, target, count, ignore_index, vocab, reduction, softmax_stats.dtype)
+    grad_x, grad_w, grad_b = linear_gradients(x, weight, bias, target, 0, vocab, softmax_stats, row_scale,
+                                              label_smoothing, z_loss, softcap, wants)
+    return None if grad_x is None else grad_x.to(x.dtype), grad_w, grad_b
 
 
 # ----------------------------------------------------------------------------------

@@ -895,7 +895,7 @@ def _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_in
 def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                         return_lse: bool = False):
+                         return_lse: bool = False, process_group=None, vocab_start: int | None = None):
     """F.cross_entropy(F.linear(input, weight, bias), target, ...) without the (N, V) logits in
     memory: a chunk of the vocabulary at a time (linear_ce.py), the logits computed again in
     backward.
@@ -904,6 +904,11 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     input.shape[:-1]. softcap: the logits become softcap * tanh(logits / softcap) first (Gemma 2).
     z_loss and return_lse as in cross_entropy (lse in target's shape, float32). Under CUDA
     autocast the linear runs in autocast's dtype and the loss is float32, as torch's.
+    process_group: weight and bias hold this rank's contiguous rows of the output layer, its
+    shard of the classes (first class vocab_start, by default rank * V_r), as cross_entropy's;
+    input is the same on every rank and target holds global class ids. The loss equals the
+    unsharded one; weight's and bias's gradients are this shard's; input's is summed over the
+    group (one more all-reduce, of N x H, in backward), the full gradient on every rank.
     """
     _check_reduction(reduction, ("none", "mean", "sum"))
     _check_linear_cross_entropy_arguments(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
@@ -916,8 +921,12 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
         float_loss = True
     with torch.autocast(input.device.type, enabled=False):
         options = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction)
-        loss, lse = linear_ce.LinearCrossEntropyFunction.apply(input.reshape(-1, input.shape[-1]), weight, bias,
-                                                                 target.reshape(-1).contiguous(), options)
+        rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
+        if process_group is None:
+            loss, lse = linear_ce.LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, options)
+        else:
+            loss, lse = vocab_parallel.linear_cross_entropy_rows(rows, weight, bias, rows_target, options[0], reduction,
+                                                                 *options[1:4], process_group, vocab_start)
         loss = loss.to(torch.float32 if float_loss else input.dtype)
     if reduction == "none":
         loss = loss.reshape(target.shape)
@@ -928,13 +937,16 @@ class LinearCrossEntropyLoss(nn.Module):
     """linear_cross_entropy as a module: forward(input, weight, target, bias=None)."""
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
-                 z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False) -> None:
+                 z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False, process_group=None,
+                 vocab_start: int | None = None) -> None:
         super().__init__()
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse
+        self.process_group, self.vocab_start = process_group, vocab_start
 
     def forward(self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None):
         return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index,
                                     reduction=self.reduction, label_smoothing=self.label_smoothing,
-                                    z_loss=self.z_loss, softcap=self.softcap, return_lse=self.return_lse)
+                                    z_loss=self.z_loss, softcap=self.softcap, return_lse=self.return_lse,
+                                    process_group=self.process_group, vocab_start=self.vocab_start)

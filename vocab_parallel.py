@@ -94,6 +94,42 @@ def _all_reduce_sums(local_sums, group, start, local, vocab):
     return sums[:rows * len(local_sums)].reshape(rows, len(local_sums)).unbind(1), tiled
 
 
+def _combine_shards(stats, target, group, start, local, ignore_index, label_smoothing, z_loss):
+    """This rank's statistics (linear_ce.new_stats') combined with the group's in two all-reduces.
+    Returns (per-row loss, softmax_stats, count, V on the device, rows with a valid target)."""
+    rows = stats.shape[1]
+    # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
+    maxima = torch.cat([stats[0], stats.new_tensor([start + local])])
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    row_max, vocab = maxima[:rows], maxima[rows]
+    index = target.long() - start
+    owned = (index >= 0) & (index < local) & (target != ignore_index)
+    to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
+    (exp_sum, target_logit, logit_sum, others, owners), tiled = _all_reduce_sums(
+        [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global, owned.to(stats.dtype)], group, start,
+        local, vocab)
+    # As linear_ce.finish_loss's. Shards that do not tile [0, V) (a layout this rank checked
+    # before, another rank's changed): NaN.
+    softmax_stats = torch.stack([row_max, torch.where(tiled, exp_sum.log(), torch.nan), -others / exp_sum])
+    lse = linear_ce.lse_of(softmax_stats)
+    ignored = target == ignore_index
+    ce = (1 - label_smoothing) * (lse - target_logit) + label_smoothing * (lse - logit_sum / vocab)
+    # No rank owns a target outside [0, V): NaN for its row, as on one GPU.
+    loss = torch.where(ignored, 0.0, torch.where(owners > 0, ce + z_loss * lse.square(), torch.nan))
+    return loss, softmax_stats, (~ignored).sum(), vocab, ignored | (owners > 0)
+
+
+def _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction, dtype):
+    row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, dtype)
+    return torch.where(valid, row_scale, torch.nan)
+
+
+def _no_second_derivative(what):
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} with process_group has no second derivative: backward(create_graph=True) "
+                           "through it is not supported")
+
+
 class _VocabParallelRowPasses(torch.autograd.Function):
     """(rows, C_r) logits, (rows,) global class ids, no class weight. Returns (loss, lse) in the
     accumulation type; the gradient of the shard is written in backward (no communication)."""
@@ -105,28 +141,11 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         _check_class_ids(logits, start, local)
         stats = linear_ce.new_stats(rows, logits.dtype, logits.device)
         linear_ce.fold_stats(logits, target, start, start + local, stats, softcap)
-        # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
-        maxima = torch.cat([stats[0], stats.new_tensor([start + local])])
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        row_max, vocab = maxima[:rows], maxima[rows]
-        index = target.long() - start
-        owned = (index >= 0) & (index < local) & (target != ignore_index)
-        to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
-        (exp_sum, target_logit, logit_sum, others, owners), tiled = _all_reduce_sums(
-            [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global, owned.to(stats.dtype)], group, start,
-            local, vocab)
-        # As linear_ce.finish_loss's. Shards that do not tile [0, V) (a layout this rank checked
-        # before, another rank's changed): NaN.
-        softmax_stats = torch.stack([row_max, torch.where(tiled, exp_sum.log(), torch.nan), -others / exp_sum])
-        lse = linear_ce.lse_of(softmax_stats)
-        ignored = target == ignore_index
-        counted = ~ignored
-        ce = (1 - label_smoothing) * (lse - target_logit) + label_smoothing * (lse - logit_sum / vocab)
-        # No rank owns a target outside [0, V): NaN for its row, as on one GPU.
-        loss = torch.where(ignored, 0.0, torch.where(owners > 0, ce + z_loss * lse.square(), torch.nan))
-        count = counted.sum()
+        loss, softmax_stats, count, vocab, valid = _combine_shards(stats, target, group, start, local, ignore_index,
+                                                                   label_smoothing, z_loss)
         ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
-        ctx.save_for_backward(logits, target, softmax_stats, count, owners > 0, vocab)
+        ctx.save_for_backward(logits, target, softmax_stats, count, valid, vocab)
+        lse = linear_ce.lse_of(softmax_stats)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return linear_ce.reduce_loss(loss, count, reduction), lse
@@ -135,17 +154,53 @@ class _VocabParallelRowPasses(torch.autograd.Function):
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None
-        if torch.is_grad_enabled():
-            raise RuntimeError("cross_entropy with process_group has no second derivative: "
-                               "backward(create_graph=True) through it is not supported")
-        logits, target, softmax_stats, count, owned_somewhere, vocab = ctx.saved_tensors  # V: known on the device only
+        _no_second_derivative("cross_entropy")
+        logits, target, softmax_stats, count, valid, vocab = ctx.saved_tensors  # V: known on the device only
         start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, softmax_stats.dtype)
-        row_scale = torch.where(owned_somewhere | (target == ignore_index), row_scale, torch.nan)
+        row_scale = _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction,
+                                      softmax_stats.dtype)
         grad = torch.empty_like(logits)
         linear_ce.write_gradient(logits, grad, target, start, vocab, softmax_stats, row_scale, label_smoothing, z_loss,
                                  softcap)
         return grad, None, None
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """(rows, H) input, the same on every rank; (V_r, H) weight and (V_r,) bias: this rank's rows
+    of the vocabulary; (rows,) global class ids. Returns (loss, lse) in the accumulation type. The
+    input's gradient is summed over the group (a third all-reduce, rows x H, in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, options):
+        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = options
+        local = weight.shape[0]
+        _check_class_ids(x, start, local)
+        stats = linear_ce.fold_linear(x, weight, bias, target, start, softcap)
+        loss, softmax_stats, count, vocab, valid = _combine_shards(stats, target, group, start, local, ignore_index,
+                                                                   label_smoothing, z_loss)
+        ctx.arguments = options
+        ctx.save_for_backward(x, weight, bias, target, softmax_stats, count, valid, vocab)
+        lse = linear_ce.lse_of(softmax_stats)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return linear_ce.reduce_loss(loss, count, reduction), lse
+
+    @staticmethod
+    def backward(ctx, grad_output, _):
+        if grad_output is None:
+            return None, None, None, None, None
+        _no_second_derivative("linear_cross_entropy")
+        x, weight, bias, target, softmax_stats, count, valid, vocab = ctx.saved_tensors
+        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
+        row_scale = _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction,
+                                      softmax_stats.dtype)
+        wants = ctx.needs_input_grad[:3]
+        grad_x, grad_w, grad_b = linear_ce.linear_gradients(x, weight, bias, target, start, vocab, softmax_stats,
+                                                            row_scale, label_smoothing, z_loss, softcap, wants)
+        if grad_x is not None:
+            dist.all_reduce(grad_x, op=dist.ReduceOp.SUM, group=group)  # every rank's classes add to it
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -234,9 +289,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output, _):
         # The gradient was computed in the forward, with no graph: a second derivative through
         # it would silently treat it as a constant.
-        if torch.is_grad_enabled():
-            raise RuntimeError("cross_entropy with process_group has no second derivative: "
-                               "backward(create_graph=True) through it is not supported")
+        _no_second_derivative("cross_entropy")
         grad_logits, grad_target = ctx.saved_tensors
         if grad_output is None:
             return None, None, None, None
@@ -263,3 +316,13 @@ def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_lo
 def uses_row_passes(target, weight) -> bool:
     """The one choice of path: class indices without class weights take the row passes."""
     return not target.is_floating_point() and weight is None
+
+
+def linear_cross_entropy_rows(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                              group, vocab_start):
+    """(loss, lse) in the accumulation type of (rows, H) input against this rank's (V_r, H) rows of
+    the output layer; see _VocabParallelLinearCrossEntropy."""
+    check_group_device(group, x)
+    start = shard_start(group, weight.shape[0], vocab_start)
+    return _VocabParallelLinearCrossEntropy.apply(x, weight, bias, target, (
+        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap))

@@ -1,7 +1,7 @@
-"""Vocabulary-parallel cross-entropy (losses.cross_entropy(..., process_group=...)): 2
-processes, each holding a shard of the classes, against cross_entropy of the whole logits in
-float64 (loss, lse, and each rank's part of the gradients). On CPU with gloo (CI) and on 2
-GPUs with NCCL."""
+"""Vocabulary-parallel cross-entropy (losses.cross_entropy(..., process_group=...)) and linear
+cross-entropy (the output layer's rows sharded): 2 processes, each holding a shard of the
+classes, against the unsharded loss in float64 (loss, lse, and each rank's part of the
+gradients). On CPU with gloo (CI) and on 2 GPUs with NCCL."""
 import contextlib
 import os
 import random
@@ -93,6 +93,55 @@ def check_case(index, rank, group, device):
     return loss.detach()
 
 
+def check_linear_case(index, rank, group, device):
+    """linear_cross_entropy with weight and bias sharded by rows (classes); input and target the same
+    on every rank. Its input's gradient is the full one on every rank."""
+    rng = random.Random(f"linear {index}")
+    torch.manual_seed(index)
+    equal = rng.random() < 0.5
+    vocab = rng.choice([3, 50, 1001, 4099]) * (WORLD if equal else 1)
+    rows, hidden = rng.choice([1, 7, 33]), rng.choice([8, 64])
+    dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
+    x = torch.randn(rows, hidden).to(dtype).to(device)
+    weight = (torch.randn(vocab, hidden) * rng.choice([0.3, 2.0])).to(dtype).to(device)
+    bias = torch.randn(vocab).to(dtype).to(device) if rng.random() < 0.5 else None
+    ignore_index = rng.choice([-100, 0])
+    target = torch.randint(0, vocab, (rows,)).masked_fill(torch.rand(rows) < 0.3, ignore_index).to(device)
+    options = dict(reduction=rng.choice(["mean", "sum", "none"]), ignore_index=ignore_index,
+                   label_smoothing=rng.choice([0.0, 0.1]), z_loss=rng.choice([0.0, 1e-2]), softcap=rng.choice([None, 3.0]))
+    start, end = shard_bounds(vocab, equal)[rank]
+    # The truth: float64 by torch's formula; for bfloat16, our unsharded loss (its own float64 test is
+    # test_linear_cross_entropy.py's: bfloat16 logits carry errors far above a sharding's).
+    if dtype == torch.bfloat16:
+        full = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+        truth, truth_lse = losses.linear_cross_entropy(full[0], full[1], target, full[2], **options, return_lse=True)
+        truth, truth_lse = truth.double(), truth_lse.double()
+    else:
+        full = [t.detach().double().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+        truth, truth_lse = losses._torch_cross_entropy(torch.nn.functional.linear(*full), target, None, ignore_index,
+                                                       options["reduction"], options["label_smoothing"],
+                                                       options["z_loss"], True, options["softcap"])
+    grad_output = torch.rand_like(truth) + 0.5
+    truth.backward(grad_output)
+    mine = [x.clone().requires_grad_(), weight[start:end].clone().requires_grad_(),
+            None if bias is None else bias[start:end].clone().requires_grad_()]
+    loss, lse = losses.linear_cross_entropy(mine[0], mine[1], target, mine[2], **options, return_lse=True,
+                                            process_group=group, vocab_start=None if equal else start)
+    loss.backward(grad_output.to(loss.dtype))
+    tolerance = TOLERANCE[dtype]
+    case = f"linear case {index}: {rows}x{hidden}x{vocab} {dtype} shards {shard_bounds(vocab, equal)} {options}"
+    torch.testing.assert_close(loss.double(), truth.detach(), rtol=tolerance, atol=tolerance, equal_nan=True,
+                               msg=lambda m: f"{case}: loss: {m}")
+    torch.testing.assert_close(lse.double(), truth_lse, rtol=tolerance, atol=tolerance, msg=lambda m: f"{case}: lse: {m}")
+    for name, ours, whole, part in (("input", mine[0], full[0], slice(None)), ("weight", mine[1], full[1], slice(start, end)),
+                                    ("bias", mine[2], full[2], slice(start, end))):
+        if ours is not None:
+            expected = whole.grad[part].double()
+            torch.testing.assert_close(ours.grad.double(), expected, rtol=tolerance,
+                                       atol=tolerance * expected.abs().max().item(), msg=lambda m: f"{case}: {name}: {m}")
+    return loss.detach(), mine[1].grad
+
+
 def check_errors_and_edges(rank, group, device):
     logits = torch.randn(4, 10, device=device)
     # Unequal shards without vocab_start: rank * C_r does not tile the vocabulary. A layout
@@ -133,6 +182,10 @@ def worker(rank, backend, store_path, cases, failures):
             first = check_case(index, rank, group, device)
             torch.testing.assert_close(check_case(index, rank, group, device), first, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"case {index}: not the same bits on a second run: {m}")
+        for index in range(len(cases) // 4):
+            first = check_linear_case(index, rank, group, device)
+            torch.testing.assert_close(check_linear_case(index, rank, group, device), first, rtol=0, atol=0,
+                                       equal_nan=True, msg=lambda m: f"linear case {index}: not the same bits: {m}")
         check_errors_and_edges(rank, group, device)
         dist.barrier(group)
     except BaseException as error:  # reported by the parent, with the rank
