@@ -4,8 +4,9 @@ The two row passes over a chunk of classes of every row (kernels/chunked_cross_e
 CUDA, the same math in torch ops elsewhere): fold_stats folds a chunk into each row's running
 statistics (max, sum of exp, target logit, logit sum, sum of exp over the other classes, in
 float32; float64 for float64), from which finish_loss gives the loss and the softmax's
-statistics; write_gradient, given those and each row's scale, writes the chunk's gradient. losses.py runs them over whole rows (cross_entropy with softcap),
-vocab_parallel.py over this rank's shard, and linear_cross_entropy over chunks of logits:
+statistics; write_gradient, given those and each row's scale, writes the chunk's gradient.
+losses.py runs them over whole rows (cross_entropy with softcap), vocab_parallel.py over this
+rank's shard, and linear_cross_entropy over chunks of logits:
 
 linear_cross_entropy, F.cross_entropy(F.linear(input, weight, bias), target) without the (N, V)
 logits in memory. Forward: for each chunk of classes, the logits z = x W_c^T + b_c (F.linear, in
@@ -32,7 +33,7 @@ else:
 
 CHUNK_BYTES = 1 << 26  # one chunk of logits: 64 MB, or MIN_CHUNK_CLASSES wide when N is larger
 # d input's float32 sum is read and written once a chunk: narrower chunks make that traffic
-# count (H100, 16384 x 4096 x 128256 bf16: 2048 classes a chunk, 1.62x the floor; 4096: 1.36x).
+# count (H100, 16384 x 4096 x 128256 bf16: 2048 classes a chunk, 1.62x the floor; 4096: 1.52x).
 MIN_CHUNK_CLASSES = 4096
 CHUNK_ALIGN = 128      # chunk widths, in classes: whole tiles for the matrix products
 # torch >= 2.8 multiplies 2-byte matrices into a float32 sum on CUDA (addmm's out_dtype).
