@@ -98,6 +98,23 @@ def lse_of(softmax_stats):
     return softmax_stats[0] + softmax_stats[1]
 
 
+def forward_outputs(ctx, loss, softmax_stats, saved):
+    """The end of every row-pass Function's forward: saves `saved` for backward and returns
+    (loss, lse), the lse without gradient (backward gets grad_output alone, None if unused)."""
+    ctx.save_for_backward(*saved)
+    lse = lse_of(softmax_stats)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    return loss, lse
+
+
+def no_second_derivative(what: str) -> None:
+    """A row-pass Function's backward builds no graph: refuse backward(create_graph=True)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} has no second derivative: backward(create_graph=True) through it is not "
+                           "supported")
+
+
 def reduce_loss(loss, count, reduction: str):
     if reduction == "none":
         return loss
@@ -311,17 +328,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             loss, softmax_stats, count = loss_pass(x, weight, bias, target, *arguments)
         ctx.arguments = arguments
-        ctx.save_for_backward(x, weight, bias, target, softmax_stats, count)
-        lse = lse_of(softmax_stats)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return loss, lse
+        return forward_outputs(ctx, loss, softmax_stats, (x, weight, bias, target, softmax_stats, count))
 
     @staticmethod
     def backward(ctx, grad_output, _):
-        if torch.is_grad_enabled():
-            raise RuntimeError("linear_cross_entropy has no second derivative: backward(create_graph=True) "
-                               "through it is not supported")
+        no_second_derivative("linear_cross_entropy")
         if grad_output is None:
             return None, None, None, None, None
         x, weight, bias, target, softmax_stats, count = ctx.saved_tensors

@@ -581,19 +581,14 @@ class _SoftcapCrossEntropyFunction(torch.autograd.Function):
         linear_ce.fold_stats(logits, target, 0, classes, stats, softcap)
         loss, softmax_stats, count = linear_ce.finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
         ctx.arguments = arguments
-        ctx.save_for_backward(logits, target, softmax_stats, count)
-        lse = linear_ce.lse_of(softmax_stats)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return linear_ce.reduce_loss(loss, count, reduction), lse
+        return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
+                                         (logits, target, softmax_stats, count))
 
     @staticmethod
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None
-        if torch.is_grad_enabled():
-            raise RuntimeError("cross_entropy with softcap has no second derivative: backward(create_graph=True) "
-                               "through it is not supported")
+        linear_ce.no_second_derivative("cross_entropy with softcap")
         logits, target, softmax_stats, count = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap, reduction = ctx.arguments
         classes = logits.shape[1]

@@ -124,12 +124,6 @@ def _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, re
     return torch.where(valid, row_scale, torch.nan)
 
 
-def _no_second_derivative(what):
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"{what} with process_group has no second derivative: backward(create_graph=True) "
-                           "through it is not supported")
-
-
 class _VocabParallelRowPasses(torch.autograd.Function):
     """(rows, C_r) logits, (rows,) global class ids, no class weight. Returns (loss, lse) in the
     accumulation type; the gradient of the shard is written in backward (no communication)."""
@@ -144,17 +138,14 @@ class _VocabParallelRowPasses(torch.autograd.Function):
         loss, softmax_stats, count, vocab, valid = _combine_shards(stats, target, group, start, local, ignore_index,
                                                                    label_smoothing, z_loss)
         ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
-        ctx.save_for_backward(logits, target, softmax_stats, count, valid, vocab)
-        lse = linear_ce.lse_of(softmax_stats)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return linear_ce.reduce_loss(loss, count, reduction), lse
+        return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
+                                         (logits, target, softmax_stats, count, valid, vocab))
 
     @staticmethod
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None
-        _no_second_derivative("cross_entropy")
+        linear_ce.no_second_derivative("cross_entropy with process_group")
         logits, target, softmax_stats, count, valid, vocab = ctx.saved_tensors  # V: known on the device only
         start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
         row_scale = _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction,
@@ -179,17 +170,14 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         loss, softmax_stats, count, vocab, valid = _combine_shards(stats, target, group, start, local, ignore_index,
                                                                    label_smoothing, z_loss)
         ctx.arguments = options
-        ctx.save_for_backward(x, weight, bias, target, softmax_stats, count, valid, vocab)
-        lse = linear_ce.lse_of(softmax_stats)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return linear_ce.reduce_loss(loss, count, reduction), lse
+        return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
+                                         (x, weight, bias, target, softmax_stats, count, valid, vocab))
 
     @staticmethod
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None, None, None
-        _no_second_derivative("linear_cross_entropy")
+        linear_ce.no_second_derivative("linear_cross_entropy with process_group")
         x, weight, bias, target, softmax_stats, count, valid, vocab = ctx.saved_tensors
         group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
         row_scale = _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction,
@@ -289,7 +277,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output, _):
         # The gradient was computed in the forward, with no graph: a second derivative through
         # it would silently treat it as a constant.
-        _no_second_derivative("cross_entropy")
+        linear_ce.no_second_derivative("cross_entropy with process_group")
         grad_logits, grad_target = ctx.saved_tensors
         if grad_output is None:
             return None, None, None, None

@@ -85,56 +85,69 @@ __device__ __forceinline__ int64_t target_of(const void* target, bool target_int
   return target_int32 ? static_cast<const int32_t*>(target)[row] : static_cast<const int64_t*>(target)[row];
 }
 
+// This warp's row: one warp a row, kChunkThreads / 32 rows a block.
+__device__ __forceinline__ int64_t warp_row() {
+  return int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
+}
+
+// body(pack, i) for each of this lane's packs of a row `width` long, i the pack's first element;
+// kUnroll packs are loaded before the first is used.
+template <typename T, int VEC, typename Body>
+__device__ __forceinline__ void for_each_lane_pack(const T* row, int64_t width, Body body) {
+  for (int64_t first = int64_t(threadIdx.x % 32) * VEC; first < width; first += 32 * VEC * kUnroll) {
+    Pack<T, VEC> packs[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * 32 * VEC < width) packs[u] = load_pack<T, VEC>(row + first + u * 32 * VEC);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * 32 * VEC >= width) break;
+      body(packs[u], first + u * 32 * VEC);
+    }
+  }
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitChunkCall call) {
   using acc_t = acc_type<T>;
   wait_for_previous_kernel();
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
+  const int64_t row = warp_row();
   if (row >= call.rows) return;
   const Softcap<T> softcap(call.softcap);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
   // Per lane: a running max and sums of exp (all classes, the others), rescaled once per pack.
   acc_t m = -infinity<acc_t>(), s = 0, others = 0, sum = 0;
-  for (int64_t first = int64_t(lane) * VEC; first < call.width; first += 32 * VEC * kUnroll) {
-    Pack<T, VEC> packs[kUnroll];
+  for_each_lane_pack<T, VEC>(z, call.width, [&](const Pack<T, VEC>& pack, int64_t i) {
+    acc_t v[VEC];
+    acc_t pack_max = -infinity<acc_t>();
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (first + u * 32 * VEC < call.width) packs[u] = load_pack<T, VEC>(z + first + u * 32 * VEC);
+    for (int k = 0; k < VEC; ++k) {
+      v[k] = softcap.apply(static_cast<acc_t>(pack.val[k]));
+      pack_max = max_acc(pack_max, v[k]);
+      sum += v[k];
+    }
+    if (pack_max > m) {  // from -inf too: exp(-inf) = 0, and a NaN sum stays NaN
+      const acc_t rescale = exp_minus<T>(m, pack_max);
+      s *= rescale;
+      others *= rescale;
+      m = pack_max;
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (first + u * 32 * VEC >= call.width) break;
-      acc_t v[VEC];
-      acc_t pack_max = -infinity<acc_t>();
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        v[k] = softcap.apply(static_cast<acc_t>(packs[u].val[k]));
-        pack_max = max_acc(pack_max, v[k]);
-        sum += v[k];
-      }
-      if (pack_max > m) {  // from -inf too: exp(-inf) = 0, and a NaN sum stays NaN
-        const acc_t rescale = exp_minus<T>(m, pack_max);
-        s *= rescale;
-        others *= rescale;
-        m = pack_max;
-      }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const acc_t e = v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
-        s += e;
-        others += first + u * 32 * VEC + k == t ? acc_t(0) : e;
-      }
+    for (int k = 0; k < VEC; ++k) {
+      const acc_t e = v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
+      s += e;
+      others += i + k == t ? acc_t(0) : e;
     }
-  }
+  });
   // The warp's max, each lane's sum moved onto it, then the row's.
   const acc_t row_max = warp_allreduce(m, MaxOp());
   const acc_t to_row = m == row_max ? acc_t(1) : exp_minus<T>(m, row_max);
   s = warp_allreduce(s * to_row, SumOp<acc_t>());
   others = warp_allreduce(others * to_row, SumOp<acc_t>());
   sum = warp_allreduce(sum, SumOp<acc_t>());
-  if (lane != 0) return;
+  if (threadIdx.x % 32 != 0) return;
   acc_t* stats = static_cast<acc_t*>(call.stats);
   acc_t& run_max = stats[row];
   acc_t& run_sum = stats[call.rows + row];
@@ -154,8 +167,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(LogitChunkCall call) {
   using acc_t = acc_type<T>;
   wait_for_previous_kernel();
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
+  const int64_t row = warp_row();
   if (row >= call.rows) return;
   const Softcap<T> softcap(call.softcap);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
@@ -171,29 +183,19 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
                                                     : static_cast<acc_t>(call.classes);
   const acc_t b = r * eps / classes;
   const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
-  for (int64_t first = int64_t(lane) * VEC; first < call.width; first += 32 * VEC * kUnroll) {
-    Pack<T, VEC> packs[kUnroll];
+  for_each_lane_pack<T, VEC>(z, call.width, [&](Pack<T, VEC> pack, int64_t i) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (first + u * 32 * VEC < call.width) packs[u] = load_pack<T, VEC>(z + first + u * 32 * VEC);
+    for (int k = 0; k < VEC; ++k) {
+      acc_t slope;
+      const acc_t capped = softcap.apply(static_cast<acc_t>(pack.val[k]), slope);
+      const acc_t p = exp_minus<T>(capped - shift, log_sum);
+      // At the target a p - r (1 - eps) - b, with p - 1 given.
+      const acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
+      // An ignored row: 0, not 0 times an infinite logit's terms.
+      pack.val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = first + u * 32 * VEC;
-      if (i >= call.width) break;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        acc_t slope;
-        const acc_t capped = softcap.apply(static_cast<acc_t>(packs[u].val[k]), slope);
-        const acc_t p = exp_minus<T>(capped - shift, log_sum);
-        // At the target a p - r (1 - eps) - b, with p - 1 given.
-        const acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
-        // An ignored row: 0, not 0 times an infinite logit's terms.
-        packs[u].val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
-      }
-      store_pack<T, VEC>(grad + i, packs[u]);
-    }
-  }
+    store_pack<T, VEC>(grad + i, pack);
+  });
 }
 
 template <typename Pick>

@@ -133,6 +133,12 @@ def test_default_chunks_on_cuda(vocab):
     check_against_float64(fused(options), reference(options), inputs, grad_of=(0, 1, 3), case=str(vocab))
 
 
+def leaf_inputs(*args):
+    """make_inputs' tensors, input, weight and bias requiring grad."""
+    x, w, t, b = make_inputs(*args)
+    return x.requires_grad_(), w.requires_grad_(), t, b.requires_grad_()
+
+
 def _training_step(x, w, t, b, **options):
     x.grad = w.grad = b.grad = None
     losses.linear_cross_entropy(x, w, t, b, **options).backward()
@@ -141,9 +147,7 @@ def _training_step(x, w, t, b, **options):
 
 @pytest.mark.gpu
 def test_same_bits_every_run_and_no_host_sync():
-    x, w, t, b = make_inputs((512,), 128, 5000, torch.bfloat16, "cuda")
-    for tensor in (x, w, b):
-        tensor.requires_grad_()
+    x, w, t, b = leaf_inputs((512,), 128, 5000, torch.bfloat16, "cuda")
     first = _training_step(x, w, t, b, softcap=20.0)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -161,9 +165,7 @@ def test_the_logits_never_exist_whole(monkeypatch):
     monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1 << 22)
     monkeypatch.setattr(linear_ce, "MIN_CHUNK_CLASSES", 1024)
     rows, hidden, vocab = 2048, 256, 32000  # logits: 131 MB in bf16
-    x, w, t, b = make_inputs((rows,), hidden, vocab, torch.bfloat16, "cuda")
-    for tensor in (x, w, b):
-        tensor.requires_grad_()
+    x, w, t, b = leaf_inputs((rows,), hidden, vocab, torch.bfloat16, "cuda")
     _training_step(x, w, t, b)  # builds and warms up
     x.grad = w.grad = b.grad = None
     torch.cuda.synchronize()
@@ -178,9 +180,7 @@ def test_the_logits_never_exist_whole(monkeypatch):
 
 @pytest.mark.gpu
 def test_torch_compile_fullgraph_and_cuda_graphs():
-    x, w, t, b = make_inputs((64,), 32, 1000, torch.float32, "cuda")
-    for tensor in (x, w, b):
-        tensor.requires_grad_()
+    x, w, t, b = leaf_inputs((64,), 32, 1000, torch.float32, "cuda")
     expected = _training_step(x, w, t, b, label_smoothing=0.1)
     step = torch.compile(lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b, label_smoothing=0.1),
                          fullgraph=True)
