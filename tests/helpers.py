@@ -112,8 +112,16 @@ def loss_and_grads(loss_fn, inputs, grad_of, grad_output=None):
     return loss.detach(), [leaves[i].grad for i in grad_of]
 
 
+def default_grad_output(reference, inputs):
+    """What backward starts from when a check is not given one: 1 for a scalar loss, else
+    random values that every dtype holds exactly, so that the truth gets ours."""
+    with torch.no_grad():
+        probe = reference(*inputs)
+    return torch.ones(()) if probe.dim() == 0 else (torch.rand_like(probe) + 0.5).bfloat16().double()
+
+
 def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=None, case="",
-                          loss_without_grad=True, floor=FLOOR, grads_within_ulps=True):
+                          loss_without_grad=True, floor=FLOOR, grads_within_ulps=True, grad_floors=None):
     """fused(*inputs) vs reference(*inputs) (a torch.nn.functional formula).
 
     inputs: tensors in the dtype under test (integer ones, like class indices, are
@@ -122,16 +130,14 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
     for 'none'). loss_without_grad: the loss is also computed under torch.no_grad. floor:
     the norm-wise floor per dtype (FLOOR). grads_within_ulps: each element of a 2-byte
     gradient within ULPS of float64 too (False where eager's is not either: a gradient that is
-    a matrix product of rounded values, as linear_cross_entropy's).
+    a matrix product of rounded values, as linear_cross_entropy's). grad_floors: each gradient's
+    floor instead (for gradients that are differences of larger terms).
     """
     dtype = inputs[0].dtype
     as_float64 = [t.double() if t.is_floating_point() else t for t in inputs]
-    with torch.no_grad():
-        probe = reference(*as_float64)
-    if grad_output is None:  # random values that every dtype holds exactly, so the truth gets ours
-        grad_output = torch.ones(()) if probe.dim() == 0 else (torch.rand_like(probe) + 0.5).bfloat16().double()
+    if grad_output is None:
+        grad_output = default_grad_output(reference, as_float64)
     grad_output = grad_output.to(inputs[0].device)
-    del probe
 
     truth_loss, truth_grads = loss_and_grads(reference, as_float64, grad_of, grad_output.double())
     del as_float64
@@ -164,10 +170,11 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
     ulps = {name: max_ulps(ours, truth, scale) for name, ours, truth, scale in zip(names, outputs, truths, scales)
             if ours.dtype in ULPS and name in elementwise}
     _log_errors({"case": case, "dtype": str(dtype), "ours": ours_errors, "eager": eager_errors, "ulps": ulps})
-    for name, ours, eager in zip(names, ours_errors, eager_errors):
-        bound = max(EAGER_ERROR_FACTOR * eager, floor[dtype])
+    floors = [floor[dtype]] * 2 + list(grad_floors or [floor[dtype]] * len(grad_of))
+    for name, ours, eager, floor_here in zip(names, ours_errors, eager_errors, floors):
+        bound = max(EAGER_ERROR_FACTOR * eager, floor_here)
         assert ours <= bound, (f"{case} {dtype}: {name} relative error {ours:.3g} vs float64 exceeds "
-                               f"max({EAGER_ERROR_FACTOR} x torch eager's {eager:.3g}, floor {floor[dtype]:.3g})")
+                               f"max({EAGER_ERROR_FACTOR} x torch eager's {eager:.3g}, floor {floor_here:.3g})")
     for name, output in zip(names, outputs):
         if name in ulps:
             assert ulps[name] <= ULPS[output.dtype], \
