@@ -7,10 +7,10 @@ ignore patterns from none to every row; weights and probability targets; gradien
 every input that can have one. Where cross-entropy's gradient is a difference of larger
 terms (p near the smoothed target), its floor is the arithmetic's on those terms
 (cross_entropy_gradient_terms): eager's error there is as much luck as ours, and twice it
-failed a case now and then (seed 941187102, case 33: 2 classes, float32, p near y'). A failure names its case and the seed that rebuilds it
-(FUSED_LOSSES_SEED reruns the same walk). On CPU (CI) the same walk runs through the
-Python models of the kernels (kernels_modelled_on_cpu): the Python layer is checked there,
-the kernels on the GPU.
+failed a case now and then (seed 941187102, case 33: 2 classes, float32, p near y'). A
+failure names its case and the seed that rebuilds it (FUSED_LOSSES_SEED reruns the same
+walk). On CPU (CI) the same walk runs through the Python models of the kernels
+(kernels_modelled_on_cpu): the Python layer is checked there, the kernels on the GPU.
 """
 import contextlib
 import os
