@@ -146,6 +146,23 @@ def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scal
         ops.backward(z, grad, target, start, classes, None, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
 
 
+def logits_stats(logits, target, start: int, softcap: float):
+    """The statistics of whole (rows, C) logits, classes [start, start + C) (start > 0: a shard)."""
+    stats = new_stats(logits.shape[0], logits.dtype, logits.device)
+    fold_stats(logits, target, start, start + logits.shape[1], stats, softcap)
+    return stats
+
+
+def logits_gradient(logits, target, start: int, classes, softmax_stats, count, grad_output, ignore_index: int,
+                    reduction: str, label_smoothing: float, z_loss: float, softcap: float):
+    """The gradient of whole (rows, C) logits, classes [start, start + C) of `classes` (as
+    write_gradient's), from finish_loss's softmax_stats and count."""
+    row_scale = row_scales(grad_output, target, count, ignore_index, classes, reduction, softmax_stats.dtype)
+    grad = torch.empty_like(logits)
+    write_gradient(logits, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
+    return grad
+
+
 def _row_ops(z: torch.Tensor):
     """The row passes' kernels for z's device and dtype (under torch.compile their ops, which
     losses.py defines); None off CUDA."""

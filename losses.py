@@ -576,10 +576,9 @@ class _SoftcapCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, arguments):
         ignore_index, label_smoothing, z_loss, softcap, reduction = arguments
-        classes = logits.shape[1]
-        stats = linear_ce.new_stats(logits.shape[0], logits.dtype, logits.device)
-        linear_ce.fold_stats(logits, target, 0, classes, stats, softcap)
-        loss, softmax_stats, count = linear_ce.finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
+        stats = linear_ce.logits_stats(logits, target, 0, softcap)
+        loss, softmax_stats, count = linear_ce.finish_loss(stats, target, ignore_index, logits.shape[1],
+                                                           label_smoothing, z_loss)
         ctx.arguments = arguments
         return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
                                          (logits, target, softmax_stats, count))
@@ -591,13 +590,8 @@ class _SoftcapCrossEntropyFunction(torch.autograd.Function):
         linear_ce.no_second_derivative("cross_entropy with softcap")
         logits, target, softmax_stats, count = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, softcap, reduction = ctx.arguments
-        classes = logits.shape[1]
-        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, classes, reduction,
-                                         softmax_stats.dtype)
-        grad = torch.empty_like(logits)
-        linear_ce.write_gradient(logits, grad, target, 0, classes, softmax_stats, row_scale, label_smoothing, z_loss,
-                                 softcap)
-        return grad, None, None
+        return linear_ce.logits_gradient(logits, target, 0, logits.shape[1], softmax_stats, count, grad_output,
+                                         ignore_index, reduction, label_smoothing, z_loss, softcap), None, None
 
 
 def _cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, probs: bool):

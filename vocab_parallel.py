@@ -6,9 +6,9 @@ class-index targets are global ids, probability targets are sharded like the log
 loss, the lse and the gradient of this rank's shard equal single-device cross_entropy on the
 gathered logits. Per call two all-reduces of (rows,)-sized tensors and no host sync: the
 row maxima (MAX), then every row's sums packed together (SUM): the exp sum, the target's
-logit and weight, the smoothing sums and how many ranks own the target. The gradient is
-computed in the forward, for the local shard only, and scaled by grad_output in backward,
-as the fused losses do. The result is deterministic for a fixed group.
+logit and the smoothing sums (and with class weights the target's weight and how many ranks
+own the target). The gradient is the local shard's alone, with no communication. The
+result is deterministic for a fixed group.
 
 Shards tile [0, V) in any rank order. A rank's first class is `vocab_start`, by default
 rank * C_r (equal shards). The layout is checked from values the all-reduces carry anyway:
@@ -95,33 +95,22 @@ def _all_reduce_sums(local_sums, group, start, local, vocab):
 
 
 def _combine_shards(stats, target, group, start, local, ignore_index, label_smoothing, z_loss):
-    """This rank's statistics (linear_ce.new_stats') combined with the group's in two all-reduces.
-    Returns (per-row loss, softmax_stats, count, V on the device, rows with a valid target)."""
+    """This rank's statistics (linear_ce.new_stats') combined with the group's in two all-reduces,
+    then finished as on one device (linear_ce.finish_loss: a target outside [0, V) gives NaN).
+    Returns (per-row loss, softmax_stats, count, V on the device)."""
     rows = stats.shape[1]
     # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
     maxima = torch.cat([stats[0], stats.new_tensor([start + local])])
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     row_max, vocab = maxima[:rows], maxima[rows]
-    index = target.long() - start
-    owned = (index >= 0) & (index < local) & (target != ignore_index)
     to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
-    (exp_sum, target_logit, logit_sum, others, owners), tiled = _all_reduce_sums(
-        [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global, owned.to(stats.dtype)], group, start,
-        local, vocab)
-    # As linear_ce.finish_loss's. Shards that do not tile [0, V) (a layout this rank checked
-    # before, another rank's changed): NaN.
-    softmax_stats = torch.stack([row_max, torch.where(tiled, exp_sum.log(), torch.nan), -others / exp_sum])
-    lse = linear_ce.lse_of(softmax_stats)
-    ignored = target == ignore_index
-    ce = (1 - label_smoothing) * (lse - target_logit) + label_smoothing * (lse - logit_sum / vocab)
-    # No rank owns a target outside [0, V): NaN for its row, as on one GPU.
-    loss = torch.where(ignored, 0.0, torch.where(owners > 0, ce + z_loss * lse.square(), torch.nan))
-    return loss, softmax_stats, (~ignored).sum(), vocab, ignored | (owners > 0)
-
-
-def _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction, dtype):
-    row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction, dtype)
-    return torch.where(valid, row_scale, torch.nan)
+    # All-reduce 2 (SUM): the sums, and the target logit, which only its owner holds (0 elsewhere).
+    (exp_sum, target_logit, logit_sum, others), tiled = _all_reduce_sums(
+        [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global], group, start, local, vocab)
+    # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
+    exp_sum = torch.where(tiled, exp_sum, torch.nan)
+    group_stats = torch.stack([row_max, exp_sum, target_logit, logit_sum, others])
+    return (*linear_ce.finish_loss(group_stats, target, ignore_index, vocab, label_smoothing, z_loss), vocab)
 
 
 class _VocabParallelRowPasses(torch.autograd.Function):
@@ -131,29 +120,24 @@ class _VocabParallelRowPasses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options):
         group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = options
-        rows, local = logits.shape
+        local = logits.shape[1]
         _check_class_ids(logits, start, local)
-        stats = linear_ce.new_stats(rows, logits.dtype, logits.device)
-        linear_ce.fold_stats(logits, target, start, start + local, stats, softcap)
-        loss, softmax_stats, count, vocab, valid = _combine_shards(stats, target, group, start, local, ignore_index,
-                                                                   label_smoothing, z_loss)
+        stats = linear_ce.logits_stats(logits, target, start, softcap)
+        loss, softmax_stats, count, vocab = _combine_shards(stats, target, group, start, local, ignore_index,
+                                                            label_smoothing, z_loss)
         ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
         return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
-                                         (logits, target, softmax_stats, count, valid, vocab))
+                                         (logits, target, softmax_stats, count, vocab))
 
     @staticmethod
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None
         linear_ce.no_second_derivative("cross_entropy with process_group")
-        logits, target, softmax_stats, count, valid, vocab = ctx.saved_tensors  # V: known on the device only
+        logits, target, softmax_stats, count, vocab = ctx.saved_tensors  # V: known on the device only
         start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        row_scale = _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction,
-                                      softmax_stats.dtype)
-        grad = torch.empty_like(logits)
-        linear_ce.write_gradient(logits, grad, target, start, vocab, softmax_stats, row_scale, label_smoothing, z_loss,
-                                 softcap)
-        return grad, None, None
+        return linear_ce.logits_gradient(logits, target, start, vocab, softmax_stats, count, grad_output, ignore_index,
+                                         reduction, label_smoothing, z_loss, softcap), None, None
 
 
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
@@ -167,21 +151,21 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         local = weight.shape[0]
         _check_class_ids(x, start, local)
         stats = linear_ce.fold_linear(x, weight, bias, target, start, softcap)
-        loss, softmax_stats, count, vocab, valid = _combine_shards(stats, target, group, start, local, ignore_index,
-                                                                   label_smoothing, z_loss)
+        loss, softmax_stats, count, vocab = _combine_shards(stats, target, group, start, local, ignore_index,
+                                                            label_smoothing, z_loss)
         ctx.arguments = options
         return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
-                                         (x, weight, bias, target, softmax_stats, count, valid, vocab))
+                                         (x, weight, bias, target, softmax_stats, count, vocab))
 
     @staticmethod
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None, None, None
         linear_ce.no_second_derivative("linear_cross_entropy with process_group")
-        x, weight, bias, target, softmax_stats, count, valid, vocab = ctx.saved_tensors
+        x, weight, bias, target, softmax_stats, count, vocab = ctx.saved_tensors
         group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        row_scale = _shard_row_scales(grad_output, target, count, valid, ignore_index, vocab, reduction,
-                                      softmax_stats.dtype)
+        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction,
+                                         softmax_stats.dtype)
         wants = ctx.needs_input_grad[:3]
         grad_x, grad_w, grad_b = linear_ce.linear_gradients(x, weight, bias, target, start, vocab, softmax_stats,
                                                             row_scale, label_smoothing, z_loss, softcap, wants)
