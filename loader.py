@@ -36,8 +36,13 @@ from pathlib import Path
 
 import torch
 
+if __package__:
+    from . import op_signatures
+else:  # a plain folder on sys.path, or `python loader.py`
+    import op_signatures
+
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-KERNELS = ("chunked_cross_entropy", "cross_entropy", "kl_div", "mse")
+KERNELS = ("cross_entropy", "kl_div", "mse", "row_passes")
 # The dtypes a build can hold, by name, with kernels/ops.h's DType codes.
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 EXTRA_CFLAGS = ["-O3"]
@@ -51,33 +56,43 @@ _loaded_for_device: dict[tuple[str, int, torch.dtype], object] = {}  # (kernel, 
 # imported serves.
 _loaded_extensions: dict[str, object] = {}
 
-# The Python side of kernel {kernel}'s build (kernels/entry_points.h defines what it
-# binds), compiled by the host compiler as load_inline's main.cpp. pybind11's and
-# torch's exception headers rather than torch/extension.h (the whole C++ frontend: 13 s
-# more to compile; older torch adds it anyway). pybind11 rather than a torch.ops registration: on an
-# H100 machine's host a call through torch.ops costs 9-11 us, through pybind11 4-7
-# (cross-entropy's 12 arguments; notes, v24), and the small losses are bound by host time.
-# wrap_pybind_function raises torch's Python exceptions (torch.OutOfMemoryError...)
-# where pybind11 alone would raise RuntimeError.
+# The Python side of a kernel's build (kernels/entry_points.h defines what it binds), compiled
+# by the host compiler as load_inline's main.cpp, written from op_signatures.py: every op's
+# parameter list and return type as macros that entry_points.h declares its functions with,
+# and each op bound with its declared argument names. pybind11's and torch's exception
+# headers rather than torch/extension.h (the whole C++ frontend: 13 s more to compile; older
+# torch adds it anyway). pybind11 rather than a torch.ops registration: on an H100 machine's
+# host a call through torch.ops costs 9-11 us, through pybind11 4-7 (cross-entropy's 12
+# arguments; notes, v24), and the small losses are bound by host time. wrap_pybind_function
+# raises torch's Python exceptions (torch.OutOfMemoryError...) where pybind11 alone would
+# raise RuntimeError.
 BINDINGS = """#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
+
+{declarations}
 
 #include "autograd_node.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
-  m.def("forward", torch::wrap_pybind_function(fused_losses::{kernel}_forward));
-  m.def("backward", torch::wrap_pybind_function(fused_losses::{kernel}_backward));
-  m.def("scale_by_grad_output_", torch::wrap_pybind_function(fused_losses::scale_by_grad_output_));
-  m.def("attach_saved_gradients", torch::wrap_pybind_function(fused_losses::attach_saved_gradients));
-{extra_bindings}}}
+{definitions}  m.def("attach_saved_gradients", torch::wrap_pybind_function(fused_losses::attach_saved_gradients));
+}}
 """
-# Bindings of one kernel's build alone, in BINDINGS' {extra_bindings}: cross-entropy's
-# test-only path query and switch (kernels/entry_points.h).
-EXTRA_BINDINGS = {
-    "cross_entropy": (
-        '  m.def("cross_entropy_path", torch::wrap_pybind_function(fused_losses::cross_entropy_path));\n'
-        '  m.def("force_cross_entropy_path", torch::wrap_pybind_function(fused_losses::force_cross_entropy_path));\n'),
-}
+
+
+def bindings(kernel: str) -> str:
+    """The build's main.cpp: BINDINGS for `kernel`'s ops (op_signatures.KERNEL_OPS and EXTRA_BINDINGS)."""
+    functions = {op: (f"{kernel}_{op}" if op in ("forward", "backward") else op, (kernel, op))
+                 for op in op_signatures.KERNEL_OPS.get(kernel, {})}
+    functions.setdefault("scale_by_grad_output_", ("scale_by_grad_output_", ("mse", "scale_by_grad_output_")))
+    for name, declared_as in op_signatures.EXTRA_BINDINGS.get(kernel, {}).items():
+        functions[name] = (name, declared_as)
+    definitions = "".join(
+        f'  m.def("{name}", torch::wrap_pybind_function(fused_losses::{function})'
+        f'{op_signatures.pybind_arguments(*declared_as) if declared_as else ""});\n'
+        for name, (function, declared_as) in functions.items())
+    return BINDINGS.format(declarations=op_signatures.cpp_declarations(), definitions=definitions)
+
+
 _toolkit_checked = False
 _nvcc_flags: list[str] = []  # what this toolkit's nvcc adds to EXTRA_CUDA_CFLAGS (check_toolchain)
 # torch < 2.1 ignores the -gencode that _build passes when choosing arch flags and reads
@@ -100,7 +115,7 @@ def kernel_sources(name: str) -> dict[str, str]:
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
-    sources = {"main.cpp": BINDINGS.format(kernel=name, extra_bindings=EXTRA_BINDINGS.get(name, ""))}
+    sources = {"main.cpp": bindings(name)}
     pending = [path, *_included_headers(sources["main.cpp"])]
     while pending:
         file = pending.pop()

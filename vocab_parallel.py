@@ -16,12 +16,13 @@ the first call with a new layout (as this rank sees it) reads them back once (on
 and raises if the shards do not tile [0, V); a later call whose shards do not tile gives NaN.
 Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
-Class-index targets without weight (the usual case; softcap too) take the row passes of
-linear_ce.py (kernels/chunked_cross_entropy.cu on CUDA) over the shard: its statistics before
-the all-reduces, and its gradient in backward, from the saved logits and the global lse
-(_VocabParallelRowPasses). Class weights or probability targets take torch ops in float32
-(float64 for float64 logits), the gradient computed in the forward (_VocabParallelCrossEntropy);
-on CUDA tensors FUSED_LOSSES_STRICT=1 makes that raise.
+Class-index targets without weight (the usual case; softcap too) take the row-pass engine
+(row_passes.py, kernels/row_passes.cu on CUDA) over the shard: its statistics, combined with
+the group's by Shards.combine between the passes, and its gradient in backward, from the saved
+logits and the global lse. linear_cross_entropy(process_group=...) runs the same engine over
+chunks of its logits. Class weights or probability targets take torch ops in float32 (float64
+for float64 logits), the gradient computed in the forward (_VocabParallelCrossEntropy); on CUDA
+tensors FUSED_LOSSES_STRICT=1 makes that raise.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ import torch
 import torch.distributed as dist
 
 if __package__:
-    from . import linear_ce
+    from . import loss_helpers as helpers
+    from . import row_passes
 else:
-    import linear_ce
+    import loss_helpers as helpers
+    import row_passes
 
 # Layouts checked by this process: (group, C_r, vocab_start) as seen by this rank.
 _checked_layouts: set = set()
@@ -94,85 +97,37 @@ def _all_reduce_sums(local_sums, group, start, local, vocab):
     return sums[:rows * len(local_sums)].reshape(rows, len(local_sums)).unbind(1), tiled
 
 
-def _combine_shards(stats, target, group, start, local, ignore_index, label_smoothing, z_loss):
-    """This rank's statistics (linear_ce.new_stats') combined with the group's in two all-reduces,
-    then finished as on one device (linear_ce.finish_loss: a target outside [0, V) gives NaN).
-    Returns (per-row loss, softmax_stats, count, V on the device)."""
-    rows = stats.shape[1]
-    # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
-    maxima = torch.cat([stats[0], stats.new_tensor([start + local])])
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    row_max, vocab = maxima[:rows], maxima[rows]
-    to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
-    # All-reduce 2 (SUM): the sums, and the target logit, which only its owner holds (0 elsewhere).
-    (exp_sum, target_logit, logit_sum, others), tiled = _all_reduce_sums(
-        [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global], group, start, local, vocab)
-    # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
-    exp_sum = torch.where(tiled, exp_sum, torch.nan)
-    group_stats = torch.stack([row_max, exp_sum, target_logit, logit_sum, others])
-    return (*linear_ce.finish_loss(group_stats, target, ignore_index, vocab, label_smoothing, z_loss), vocab)
+class Shards:
+    """The classes split among a group's ranks, as this rank sees them: its first class `start`
+    and its width `local`. Checks what this rank alone can check (the group's backend takes
+    `like`'s device; class ids exact in the accumulation type)."""
 
+    def __init__(self, group, local: int, vocab_start: int | None, like: torch.Tensor):
+        check_group_device(group, like)
+        self.group, self.local = group, local
+        self.start = shard_start(group, local, vocab_start)
+        _check_class_ids(like, self.start, local)
 
-class _VocabParallelRowPasses(torch.autograd.Function):
-    """(rows, C_r) logits, (rows,) global class ids, no class weight. Returns (loss, lse) in the
-    accumulation type; the gradient of the shard is written in backward (no communication)."""
+    def combine(self, stats):
+        """This rank's statistics (row_passes.new_stats') combined with the group's in two
+        all-reduces: (the group's statistics, V on the device)."""
+        rows = stats.shape[1]
+        # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
+        maxima = torch.cat([stats[0], stats.new_tensor([self.start + self.local])])
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
+        row_max, vocab = maxima[:rows], maxima[rows]
+        to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
+        # All-reduce 2 (SUM): the sums, and the target logit, which only its owner holds (0 elsewhere).
+        (exp_sum, target_logit, logit_sum, others), tiled = _all_reduce_sums(
+            [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global], self.group, self.start, self.local,
+            vocab)
+        # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
+        exp_sum = torch.where(tiled, exp_sum, torch.nan)
+        return torch.stack([row_max, exp_sum, target_logit, logit_sum, others]), vocab
 
-    @staticmethod
-    def forward(ctx, logits, target, options):
-        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = options
-        local = logits.shape[1]
-        _check_class_ids(logits, start, local)
-        stats = linear_ce.logits_stats(logits, target, start, softcap)
-        loss, softmax_stats, count, vocab = _combine_shards(stats, target, group, start, local, ignore_index,
-                                                            label_smoothing, z_loss)
-        ctx.arguments = (start, ignore_index, reduction, label_smoothing, z_loss, softcap)
-        return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
-                                         (logits, target, softmax_stats, count, vocab))
-
-    @staticmethod
-    def backward(ctx, grad_output, _):
-        if grad_output is None:
-            return None, None, None
-        linear_ce.no_second_derivative("cross_entropy with process_group")
-        logits, target, softmax_stats, count, vocab = ctx.saved_tensors  # V: known on the device only
-        start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        return linear_ce.logits_gradient(logits, target, start, vocab, softmax_stats, count, grad_output, ignore_index,
-                                         reduction, label_smoothing, z_loss, softcap), None, None
-
-
-class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    """(rows, H) input, the same on every rank; (V_r, H) weight and (V_r,) bias: this rank's rows
-    of the vocabulary; (rows,) global class ids. Returns (loss, lse) in the accumulation type. The
-    input's gradient is summed over the group (a third all-reduce, rows x H, in backward)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, target, options):
-        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = options
-        local = weight.shape[0]
-        _check_class_ids(x, start, local)
-        stats = linear_ce.fold_linear(x, weight, bias, target, start, softcap)
-        loss, softmax_stats, count, vocab = _combine_shards(stats, target, group, start, local, ignore_index,
-                                                            label_smoothing, z_loss)
-        ctx.arguments = options
-        return linear_ce.forward_outputs(ctx, linear_ce.reduce_loss(loss, count, reduction), softmax_stats,
-                                         (x, weight, bias, target, softmax_stats, count, vocab))
-
-    @staticmethod
-    def backward(ctx, grad_output, _):
-        if grad_output is None:
-            return None, None, None, None, None
-        linear_ce.no_second_derivative("linear_cross_entropy with process_group")
-        x, weight, bias, target, softmax_stats, count, vocab = ctx.saved_tensors
-        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap = ctx.arguments
-        row_scale = linear_ce.row_scales(grad_output, target, count, ignore_index, vocab, reduction,
-                                         softmax_stats.dtype)
-        wants = ctx.needs_input_grad[:3]
-        grad_x, grad_w, grad_b = linear_ce.linear_gradients(x, weight, bias, target, start, vocab, softmax_stats,
-                                                            row_scale, label_smoothing, z_loss, softcap, wants)
-        if grad_x is not None:
-            dist.all_reduce(grad_x, op=dist.ReduceOp.SUM, group=group)  # every rank's classes add to it
-            grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_w, grad_b, None, None
+    def sum_over_group(self, tensor: torch.Tensor) -> None:
+        """In place: the sum of `tensor` over the group (input's gradient, to which every rank's classes add)."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -261,7 +216,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output, _):
         # The gradient was computed in the forward, with no graph: a second derivative through
         # it would silently treat it as a constant.
-        linear_ce.no_second_derivative("cross_entropy with process_group")
+        helpers.no_second_derivative("cross_entropy with process_group")
         grad_logits, grad_target = ctx.saved_tensors
         if grad_output is None:
             return None, None, None, None
@@ -273,28 +228,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, softcap,
                        group, vocab_start):
     """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
-    check_group_device(group, logits)
-    start = shard_start(group, logits.shape[1], vocab_start)
+    shards = Shards(group, logits.shape[1], vocab_start, logits)
     if uses_row_passes(target, weight):
-        loss, lse = _VocabParallelRowPasses.apply(logits.contiguous(), target.contiguous(), (
-            group, start, ignore_index, reduction, label_smoothing, z_loss, softcap or 0.0))
+        loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), (
+            ignore_index, label_smoothing, z_loss, softcap or 0.0, reduction, shards))
         return loss.to(torch.float32 if float_loss else logits.dtype), lse
     if softcap is not None:
         raise ValueError("cross_entropy: softcap with process_group takes class-index targets without weight")
-    options = (group, start, ignore_index, reduction, float_loss, label_smoothing, z_loss)
+    options = (shards.group, shards.start, ignore_index, reduction, float_loss, label_smoothing, z_loss)
     return _VocabParallelCrossEntropy.apply(logits, target, weight, options)
 
 
 def uses_row_passes(target, weight) -> bool:
     """The one choice of path: class indices without class weights take the row passes."""
     return not target.is_floating_point() and weight is None
-
-
-def linear_cross_entropy_rows(x, weight, bias, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                              group, vocab_start):
-    """(loss, lse) in the accumulation type of (rows, H) input against this rank's (V_r, H) rows of
-    the output layer; see _VocabParallelLinearCrossEntropy."""
-    check_group_device(group, x)
-    start = shard_start(group, weight.shape[0], vocab_start)
-    return _VocabParallelLinearCrossEntropy.apply(x, weight, bias, target, (
-        group, start, ignore_index, reduction, label_smoothing, z_loss, softcap))

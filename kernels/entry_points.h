@@ -9,7 +9,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -79,12 +78,11 @@ void run_kernels(Launch launch) {
   }
 }
 
-// Whether a forward guesses grad_output (ops.h, GradOutputGuess): a scalar loss with a
-// gradient, called by the eager autograd node's path, the one that runs with grad mode on
-// (losses.py calls it directly; autograd.Functions and compiled graphs run their forward
-// with grad mode off, and their backward scales by grad_output as it comes).
-inline bool guesses_grad_output(int64_t reduction, bool want_grad) {
-  return reduction != kNone && want_grad && at::GradMode::is_enabled();
+// Whether a forward guesses grad_output (grad_output_guess.cuh has the protocol): a scalar
+// loss with a gradient whose caller asked for it (Python's guess_grad_output: the eager
+// autograd node's path alone).
+inline bool guesses_grad_output(int64_t reduction, bool want_grad, bool guess_grad_output) {
+  return guess_grad_output && reduction != kNone && want_grad;
 }
 
 // The tensor the loss is written to. A scalar reduction's is 0-dim, in the input's dtype or
@@ -149,7 +147,7 @@ inline void scale_by_grad_output_over_guess_(at::Tensor grad, const at::Tensor& 
 }
 
 // The compiled graphs' backward (their forward makes no guess).
-inline void scale_by_grad_output_(at::Tensor grad, const at::Tensor& grad_output) {
+inline FUSED_LOSSES_SCALE_BY_GRAD_OUTPUT_RETURNS scale_by_grad_output_(FUSED_LOSSES_SCALE_BY_GRAD_OUTPUT_PARAMS) {
   scale_by_grad_output_over_guess_(grad, grad_output, at::Tensor());
 }
 
@@ -171,13 +169,14 @@ template <typename Launch>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_forward(const at::Tensor& input_arg,
                                                                  const at::Tensor& target_arg, int64_t reduction,
                                                                  double scale, bool float_loss, bool want_grad_input,
-                                                                 bool want_grad_target, Launch launch) {
+                                                                 bool want_grad_target, bool guess_grad_output,
+                                                                 Launch launch) {
   check_matches_input(input_arg, "target", target_arg);
   const bool scalar_loss = reduction != kNone;
   CallContext context(input_arg);
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor target = target_arg.contiguous();
-  const bool guess = guesses_grad_output(reduction, want_grad_input || want_grad_target);
+  const bool guess = guesses_grad_output(reduction, want_grad_input || want_grad_target, guess_grad_output);
   at::Tensor loss = loss_tensor(input, reduction, float_loss, input.sizes(), guess);
   at::Tensor grad_input = scalar_loss && want_grad_input ? at::empty_like(input) : at::Tensor();
   at::Tensor grad_target = scalar_loss && want_grad_target ? at::empty_like(input) : at::Tensor();
@@ -211,34 +210,25 @@ std::tuple<at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& input_ar
 
 // `scale` is the reduction's factor (1/n for 'mean'); float_loss: a scalar loss in
 // float32. Gradients are written only for a scalar reduction and when asked for.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mse_forward(const at::Tensor& input, const at::Tensor& target,
-                                                                  int64_t reduction, double scale, bool float_loss,
-                                                                  bool want_grad_input, bool want_grad_target) {
+inline FUSED_LOSSES_MSE_FORWARD_RETURNS mse_forward(FUSED_LOSSES_MSE_FORWARD_PARAMS) {
   return pointwise_forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
-                           mse_launch);
+                           guess_grad_output, mse_launch);
 }
 
-inline std::tuple<at::Tensor, at::Tensor> mse_backward(const at::Tensor& input, const at::Tensor& target,
-                                                       const at::Tensor& grad_output, bool want_grad_input,
-                                                       bool want_grad_target) {
+inline FUSED_LOSSES_MSE_BACKWARD_RETURNS mse_backward(FUSED_LOSSES_MSE_BACKWARD_PARAMS) {
   return pointwise_backward(input, target, grad_output, want_grad_input, want_grad_target, mse_launch);
 }
 
 // `scale`: 1/n for 'mean', 1/input.size(0) for 'batchmean'.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> kl_div_forward(const at::Tensor& input,
-                                                                     const at::Tensor& target, int64_t reduction,
-                                                                     double scale, bool float_loss,
-                                                                     bool want_grad_input, bool want_grad_target,
-                                                                     bool log_input, bool log_target) {
+inline FUSED_LOSSES_KL_DIV_FORWARD_RETURNS kl_div_forward(FUSED_LOSSES_KL_DIV_FORWARD_PARAMS) {
   return pointwise_forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target,
+                           guess_grad_output,
                            [&](const PointwiseCall& call, const LaunchContext& context) {
                              kl_div_launch(call, log_input, log_target, context);
                            });
 }
 
-inline std::tuple<at::Tensor, at::Tensor> kl_div_backward(const at::Tensor& input, const at::Tensor& target,
-                                                          const at::Tensor& grad_output, bool want_grad_input,
-                                                          bool want_grad_target, bool log_input, bool log_target) {
+inline FUSED_LOSSES_KL_DIV_BACKWARD_RETURNS kl_div_backward(FUSED_LOSSES_KL_DIV_BACKWARD_PARAMS) {
   return pointwise_backward(input, target, grad_output, want_grad_input, want_grad_target,
                             [&](const PointwiseCall& call, const LaunchContext& context) {
                               kl_div_launch(call, log_input, log_target, context);
@@ -312,18 +302,12 @@ struct CrossEntropyInputs {
 //     see cross_entropy_backward); grad_logits is `logits` itself when inplace;
 //   lse: (N,) in the accumulation type when want_lse.
 // Whatever is not written is undefined (None in Python).
-// The forward's 12 arguments, written once for every function that takes them
-// (losses.py's schema repeats them for torch.compile).
-#define FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS                                                                  \
-  const at::Tensor &logits, const at::Tensor &target, const c10::optional<at::Tensor> &weight,                  \
-      int64_t ignore_index, int64_t reduction, bool float_loss, double label_smoothing, double z_loss,          \
-      bool want_grad_logits, bool want_grad_target, bool want_lse, bool inplace
 
 // The forward's tensors, checked and allocated, handed to use(call, launch context): the
 // launch, or the path query. Returns (loss, grad_logits, grad_target, lse).
 template <typename Use>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_forward(
-    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS, Use use) {
+    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_PARAMS, Use use) {
   TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
               "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
   CallContext context(logits);
@@ -331,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_fo
   TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
   const bool scalar_loss = reduction != kNone;
   at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows},
-                                guesses_grad_output(reduction, want_grad_logits || want_grad_target));
+                                guesses_grad_output(reduction, want_grad_logits || want_grad_target, guess_grad_output));
   at::Tensor lse = want_lse ? in.empty_lse() : at::Tensor();
   at::Tensor grad_logits, grad_target;
   if (scalar_loss && want_grad_logits) grad_logits = inplace ? in.logits : in.empty_row_tensor();
@@ -347,31 +331,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_fo
   return {loss, grad_logits, grad_target, lse};
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward(
-    FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
+inline FUSED_LOSSES_CROSS_ENTROPY_FORWARD_RETURNS cross_entropy_forward(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_PARAMS) {
   return with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
-                                    z_loss, want_grad_logits, want_grad_target, want_lse, inplace,
+                                    z_loss, want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output,
                                     cross_entropy_launch);
 }
 
 // Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
 // grad_target), undefined where not asked for.
-inline std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
-                                                                 const c10::optional<at::Tensor>& weight,
-                                                                 int64_t ignore_index, double label_smoothing,
-                                                                 double z_loss, const at::Tensor& grad_output_arg,
-                                                                 bool want_grad_logits, bool want_grad_target) {
+inline FUSED_LOSSES_CROSS_ENTROPY_BACKWARD_RETURNS cross_entropy_backward(FUSED_LOSSES_CROSS_ENTROPY_BACKWARD_PARAMS) {
   CallContext context(logits);
   CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
-  TORCH_CHECK(grad_output_arg.numel() == in.call.rows && grad_output_arg.scalar_type() == in.logits.scalar_type() &&
-                  grad_output_arg.device() == in.logits.device(),
+  TORCH_CHECK(grad_output.numel() == in.call.rows && grad_output.scalar_type() == in.logits.scalar_type() &&
+                  grad_output.device() == in.logits.device(),
               "cross_entropy: grad_output must have N elements of input's dtype on input's device");
   TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
-  const at::Tensor grad_output = grad_output_arg.contiguous();
+  const at::Tensor grad_output_rows = grad_output.contiguous();
   at::Tensor grad_logits = want_grad_logits ? in.empty_row_tensor() : at::Tensor();
   at::Tensor grad_target = want_grad_target ? in.empty_row_tensor() : at::Tensor();
   in.call.reduction = kNone;
-  in.call.grad_output = grad_output.data_ptr();
+  in.call.grad_output = grad_output_rows.data_ptr();
   in.call.grad_logits = data_or_null(grad_logits);
   in.call.grad_target = data_or_null(grad_target);
   if (want_grad_logits || want_grad_target) run_kernels([&] { cross_entropy_launch(in.call, context.launch()); });
@@ -380,10 +359,10 @@ inline std::tuple<at::Tensor, at::Tensor> cross_entropy_backward(const at::Tenso
 
 // The path (CrossEntropyPath, by name) that cross_entropy_forward with these arguments
 // takes on the tensors' device; launches nothing. For the tests.
-inline std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_ARGS) {
+inline std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_PARAMS) {
   std::string name;
   with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
-                             want_grad_logits, want_grad_target, want_lse, inplace,
+                             want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output,
                              [&](const CrossEntropyCall& call, const LaunchContext& context) {
                                name = cross_entropy_call_path(call, context.device);
                              });
@@ -434,8 +413,7 @@ inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits,
 
 // Forward: folds the chunk into stats (5, rows): running max, sum of exp, target logit, logit
 // sum, sum of exp over the other classes.
-inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
-                                          int64_t classes, at::Tensor stats, double softcap) {
+inline FUSED_LOSSES_ROW_PASSES_FORWARD_RETURNS row_passes_forward(FUSED_LOSSES_ROW_PASSES_FORWARD_PARAMS) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
   check_row_tensor(stats, logits, 5, "stats");
@@ -447,12 +425,7 @@ inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Te
 // `logits`), given each row's softmax_stats (3, rows: max, log sum exp, the target's p - 1)
 // and scale. class_count: one value of the accumulation type, the number of classes where only
 // the device knows it (vocabulary-parallel), or None: `classes`.
-inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor grad, const at::Tensor& target,
-                                           int64_t class_start, int64_t classes,
-                                           const c10::optional<at::Tensor>& class_count,
-                                           const at::Tensor& softmax_stats,
-                                           const at::Tensor& row_scale, double label_smoothing, double z_loss,
-                                           double softcap) {
+inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES_ROW_PASSES_BACKWARD_PARAMS) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&

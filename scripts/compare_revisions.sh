@@ -15,7 +15,7 @@ cases=${1:?usage: scripts/compare_revisions.sh CASES ROUNDS REV...} rounds=${2:?
 shift 2
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT  # also when a step fails
-copy_working_tree() { mkdir -p "$1" && cp -r losses.py loader.py vocab_parallel.py linear_ce.py bench.py __init__.py kernels "$1/"; }
+copy_working_tree() { mkdir -p "$1" && cp -r ./*.py kernels "$1/"; }  # the product: every root module and kernels/
 names=()
 for rev in "$@"; do
   if [[ $rev == *.patch ]]; then

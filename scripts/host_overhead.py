@@ -6,7 +6,7 @@ Small losses are bound by host work per call, not by the GPU. For each loss this
 per call, with no synchronization inside the loop (the queue stays full, as in training):
   eager      torch's formula (what users write today)
   ours       the losses.* call, Python layer included
-  op         the kernel op alone, called with the arguments losses.py would pass
+  op         the kernel op alone, called with the arguments the loss module would pass
   launch     one tiny aten kernel launch (x.add_(1) on a 1-element tensor), for scale
 and the same for a training step (forward + backward). "ours - op" is our Python layer;
 "op" holds the C++ checks, allocations and our launch (one: the loss kernel's last block
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import loader  # noqa: E402
+import loss_helpers  # noqa: E402
 import losses  # noqa: E402
 
 
@@ -50,19 +51,19 @@ def main() -> int:
     y = torch.randn_like(x)
     p, q = x.softmax(-1), y.softmax(-1)
     t = torch.randint(0, args.cols, (args.rows,), device=device)
-    mean = losses.REDUCTION_CODES["mean"]
-    batchmean = losses.REDUCTION_CODES["batchmean"]
+    mean = loss_helpers.REDUCTION_CODES["mean"]
+    batchmean = loss_helpers.REDUCTION_CODES["batchmean"]
     ce_op = loader.load_for_device("cross_entropy", device, x.dtype).forward
     mse_op = loader.load_for_device("mse", device, x.dtype).forward
     kl_op = loader.load_for_device("kl_div", device, x.dtype).forward
     cases = {
         "cross_entropy": (lambda a: F.cross_entropy(a, t), lambda a: losses.cross_entropy(a, t),
-                          lambda a, g: ce_op(a, t, None, -100, mean, False, 0.0, 0.0, g, False, False, False)),
+                          lambda a, g: ce_op(a, t, None, -100, mean, False, 0.0, 0.0, g, False, False, False, g)),
         "mse_loss": (lambda a: torch.mean((a - y) ** 2), lambda a: losses.mse_loss(a, y),
-                     lambda a, g: mse_op(a, y, mean, 1.0 / a.numel(), False, g, False)),
+                     lambda a, g: mse_op(a, y, mean, 1.0 / a.numel(), False, g, False, g)),
         "kl_div": (lambda a: F.kl_div(torch.log(a), q, reduction="batchmean"),
                    lambda a: losses.kl_div(a, q, reduction="batchmean", log_input=False),
-                   lambda a, g: kl_op(a, q, batchmean, 1.0 / a.shape[0], False, g, False, False, False)),
+                   lambda a, g: kl_op(a, q, batchmean, 1.0 / a.shape[0], False, g, False, g, False, False)),
     }
     one = torch.zeros(1, device=device)
     launch = per_call_us(lambda: one.add_(1), args.calls)

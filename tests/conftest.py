@@ -51,9 +51,12 @@ def kernels_modelled_on_cpu(monkeypatch):
     torch 2.4+ through the stable ops that torch.compile traces)."""
     import types
 
+    import cross_entropy
     import kernel_models
     import loader
-    import losses
+    import loss_helpers
+    import op_signatures
+    import pointwise_loss
 
     builds = {kernel: types.SimpleNamespace(forward=forward, backward=backward,
                                             scale_by_grad_output_=kernel_models.scale_by_grad_output_,
@@ -61,18 +64,20 @@ def kernels_modelled_on_cpu(monkeypatch):
               for kernel, (forward, backward) in kernel_models.MODELS.items()}
     monkeypatch.setattr(loader, "load_for_device", lambda kernel, device, dtype: builds[kernel])
     # Everything the kernels would take, which leaves out empty tensors (torch runs those).
-    monkeypatch.setattr(losses, "_pointwise_fusable",
+    monkeypatch.setattr(pointwise_loss, "fusable",
                         lambda input, target: "empty tensors" if input.numel() * target.numel() == 0 else None)
-    monkeypatch.setattr(losses, "_cross_entropy_fusable",
+    monkeypatch.setattr(cross_entropy, "_fusable",
                         lambda input, *args: "empty tensors" if input.numel() == 0 else None)
     libraries = []
-    for kernel, ops in (losses.KERNEL_OPS.items() if losses.COMPILE_OPS else ()):
+    for kernel, ops in (op_signatures.KERNEL_OPS.items() if loss_helpers.COMPILE_OPS else ()):
+        if kernel not in kernel_models.MODELS:
+            continue
         library = torch.library.Library(f"fused_losses_{kernel}", "IMPL")
         for op in ops:
-            library.impl(op, losses._call_build(kernel, op), "CPU")
+            library.impl(op, loss_helpers.call_build(kernel, op), "CPU")
         libraries.append(library)
     yield
     for library in libraries:
         library._destroy()
-    if losses.COMPILE_OPS:
+    if loss_helpers.COMPILE_OPS:
         torch._dynamo.reset()

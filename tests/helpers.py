@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Tuple
 import torch
 import torch.nn.functional as F
 
+import cross_entropy
 import losses
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -248,7 +249,7 @@ LOSSES = {
     "cross_entropy weight+smoothing+z": Loss(
         fused=lambda reduction: lambda x, t: losses.cross_entropy(
             x, t, weight=class_weights(x), reduction=reduction, label_smoothing=0.1, z_loss=1e-3),
-        reference=lambda reduction: lambda x, t: losses._torch_cross_entropy(
+        reference=lambda reduction: lambda x, t: cross_entropy.reference_cross_entropy(
             x, t, class_weights(x), -100, reduction, 0.1, 1e-3, False),
         inputs=lambda rows, cols, dtype, device="cuda": [random_logits(rows, cols, dtype, device),
                                                          random_class_targets(rows, cols, device=device)],

@@ -1,24 +1,26 @@
 """Python models of the kernel ops: same signatures and outputs as kernels/*.cu, in torch
-ops, so that tests without a GPU can run losses.py's fused path on CPU tensors (the
+ops, so that tests without a GPU can run the loss modules' fused path on CPU tensors (the
 kernels_modelled_on_cpu fixture in conftest.py). They prove the plumbing (what reaches
 the ops, what autograd and torch.compile make of their outputs), never the kernels.
 Kernel ops run below autograd, and so do the models (no_grad)."""
 import torch
 import torch.nn.functional as F
 
-import losses
+import cross_entropy
+import loss_helpers
 
-NONE, MEAN = losses.REDUCTION_CODES["none"], losses.REDUCTION_CODES["mean"]
+NONE, MEAN = loss_helpers.REDUCTION_CODES["none"], loss_helpers.REDUCTION_CODES["mean"]
 
 def pointwise_model(math):
     """math(input, target, *op_args) -> (loss, d loss/d input, d loss/d target), per element,
     computed like the kernels in the accumulation type and rounded to the dtype once."""
     def accumulated(input, target, op_args):
-        acc = losses._accumulation_dtype(input.dtype)
+        acc = loss_helpers.accumulation_dtype(input.dtype)
         return math(input.to(acc), target.to(acc), *op_args)
 
     @torch.no_grad()
-    def forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target, *op_args):
+    def forward(input, target, reduction, scale, float_loss, want_grad_input, want_grad_target, guess_grad_output,
+                *op_args):
         loss, grad_input, grad_target = accumulated(input, target, op_args)
         if reduction == NONE:
             return loss.to(input.dtype), input.new_empty(0), input.new_empty(0)  # outputs never alias each other
@@ -51,20 +53,20 @@ def kl_div_terms(input, target, log_input, log_target):
     return torch.xlogy(q, q) - q * log_p, grad_input, torch.xlogy(q != 0, q) + q / q - log_p
 
 
-REDUCTION_NAMES = {code: name for name, code in losses.REDUCTION_CODES.items()}
+REDUCTION_NAMES = {code: name for name, code in loss_helpers.REDUCTION_CODES.items()}
 
 
 def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, want_grads,
                         grad_output=None):
-    """The loss by torch's formula (losses._torch_cross_entropy), and the gradients of
+    """The loss by torch's formula (cross_entropy.reference_cross_entropy), and the gradients of
     logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
     (an op's implementation runs below autograd). In the accumulation type."""
-    acc_dtype = losses._accumulation_dtype(logits.dtype)
+    acc_dtype = loss_helpers.accumulation_dtype(logits.dtype)
     x = logits.to(acc_dtype)
     rows, num_classes = x.shape
     probs = target.is_floating_point()
     w = weight.to(acc_dtype) if weight is not None else x.new_ones(num_classes)
-    loss = losses._torch_cross_entropy(x, target.to(acc_dtype) if probs else target,
+    loss = cross_entropy.reference_cross_entropy(x, target.to(acc_dtype) if probs else target,
                                        None if weight is None else weight.to(acc_dtype), ignore_index, reduction,
                                        label_smoothing, z_loss, False)
     log_softmax, lse = x.log_softmax(1), x.logsumexp(1)
@@ -101,7 +103,7 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
 
 @torch.no_grad()
 def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
-                          want_grad_logits, want_grad_target, want_lse, inplace):
+                          want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output):
     name = REDUCTION_NAMES[reduction]
     wants = (want_grad_logits, want_grad_target) if name != "none" else (False, False)
     loss, grads, lse = cross_entropy_terms(logits, target, weight, ignore_index, name, label_smoothing, z_loss,

@@ -3,7 +3,7 @@ gradients that a loss scale of 2**16 (GradScaler's) reaches before they are roun
 
 torch runs these losses in float32 under autocast. Ours casts float16 operands to
 float32 as torch does; bfloat16 operands of a scalar loss reach the kernel as they are
-and the kernel writes the loss in float32 (losses._autocast_operands says why).
+and the kernel writes the loss in float32 (loss_helpers.autocast_operands says why).
 """
 import types
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import loss_helpers
 import losses
 from helpers import FLOOR, LOSSES, check_against_float64, loss_and_grads
 
@@ -32,7 +33,7 @@ def under_autocast(fn, dtype):
 def forward_calls(kernels_modelled_on_cpu, monkeypatch):
     """Every forward op call's arguments, in order; CPU tensors count as under autocast."""
     calls = []
-    unspied = losses._ops
+    unspied = loss_helpers.kernel_ops
 
     def spied(kernel, device):
         ops = unspied(kernel, device)
@@ -41,8 +42,8 @@ def forward_calls(kernels_modelled_on_cpu, monkeypatch):
             calls.append((kernel, args))
             return ops.forward(*args)
         return types.SimpleNamespace(**{**vars(ops), "forward": forward})
-    monkeypatch.setattr(losses, "_ops", spied)
-    monkeypatch.setattr(losses, "_under_autocast", lambda tensor: True)
+    monkeypatch.setattr(loss_helpers, "kernel_ops", spied)
+    monkeypatch.setattr(loss_helpers, "under_autocast", lambda tensor: True)
     return calls
 
 

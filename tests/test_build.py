@@ -18,6 +18,7 @@ import torch
 
 import loader
 import losses
+import op_signatures
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = os.environ.get("FUSED_LOSSES_BUILD_ARCHS", "8.0 9.0").split()
@@ -56,39 +57,43 @@ def type_kind(annotation: str) -> str:
     raise AssertionError(f"unexpected type in a signature: {annotation}")
 
 
-def schema_types(schema):
-    """A schema's argument and return types in order."""
-    return [type_kind(str(a.type)) for a in schema.arguments], [type_kind(str(r.type)) for r in schema.returns]
+def schema_signature(schema):
+    """A schema's (name, type) arguments and return types in order."""
+    return ([(a.name, type_kind(str(a.type))) for a in schema.arguments],
+            [type_kind(str(r.type)) for r in schema.returns])
 
 
-def binding_types(function):
-    """A bound function's argument and return types in order, from pybind11's signature
-    line: `forward(arg0: torch.Tensor, ...) -> tuple[torch.Tensor, torch.Tensor]`."""
+def binding_signature(function):
+    """A bound function's (name, type) arguments and return types in order, from pybind11's
+    signature line: `forward(logits: torch.Tensor, ...) -> tuple[torch.Tensor, torch.Tensor]`."""
     match = re.match(r"\w+\((.*)\) -> (.*)", function.__doc__.strip().splitlines()[0])
     assert match, function.__doc__
-    arguments = [type_kind(a) for a in re.split(r",?\s*arg\d+: ", match.group(1))[1:]]
+    parts = re.split(r",?\s*(\w+): ", match.group(1))[1:]
     returns = match.group(2)
-    return arguments, ["Tensor"] * returns.count("Tensor")
+    return [(name, type_kind(kind)) for name, kind in zip(parts[::2], parts[1::2])], ["Tensor"] * returns.count("Tensor")
+
+
+def declared_signature(kernel, op):
+    return schema_signature(torch._C.parse_schema(op + op_signatures.KERNEL_OPS[kernel][op]))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", loader.KERNELS)
 def test_kernel_builds_and_binds_its_ops(name, arch):
-    """...with the signatures losses.KERNEL_OPS declares for torch.compile (and that
-    losses.py calls them with)."""
+    """...with the names and types op_signatures.py declares (the build's C++ signatures are
+    written from them: a mismatch would not compile; this checks the binding's side)."""
     assert PROBLEM is None, PROBLEM
     ops = loader.load(name, arch=arch)
-    for op, (declared, _) in losses.KERNEL_OPS[name].items():
-        assert binding_types(getattr(ops, op)) == schema_types(torch._C.parse_schema(op + declared)), op
+    for op in op_signatures.KERNEL_OPS[name]:
+        assert binding_signature(getattr(ops, op)) == declared_signature(name, op), op
 
 
 def test_cross_entropy_path_query_takes_the_forwards_arguments():
-    """The test-only path query is bound with the forward's 12 arguments (one list in
-    kernels/entry_points.h), and the path switch names what it refuses."""
+    """The test-only path query is bound with the forward's declared arguments, and the path
+    switch names what it refuses."""
     assert PROBLEM is None, PROBLEM
     ops = loader.load("cross_entropy", arch=ARCHS[0])
-    forward_schema = torch._C.parse_schema("forward" + losses.KERNEL_OPS["cross_entropy"]["forward"][0])
-    assert binding_types(ops.cross_entropy_path)[0] == schema_types(forward_schema)[0]
+    assert binding_signature(ops.cross_entropy_path)[0] == declared_signature("cross_entropy", "forward")[0]
     with pytest.raises(ValueError, match="no path named 'fastest' \\(paths: register_rows, "):
         ops.force_cross_entropy_path("fastest")
     ops.force_cross_entropy_path("")

@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import loss_helpers
 import losses
 
 needs_compile_ops = pytest.mark.skipif(
-    not losses.COMPILE_OPS,
+    not loss_helpers.COMPILE_OPS,
     reason=f"torch {torch.__version__} has no torch.library.register_fake (2.4+): the losses run eagerly only")
 
-NONE, MEAN = losses.REDUCTION_CODES["none"], losses.REDUCTION_CODES["mean"]
+NONE, MEAN = loss_helpers.REDUCTION_CODES["none"], loss_helpers.REDUCTION_CODES["mean"]
 
 
 # ----------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def op_calls(device):
     for kernel, op_args in (("mse", ()), ("kl_div", (False, False))):
         for reduction, float_loss in ((NONE, False), (MEAN, False), (MEAN, True)):
             for wants in ((True, False), (False, True), (True, True), (False, False)):
-                calls.append((kernel, "forward", (x, y, reduction, 0.5, float_loss, *wants, *op_args)))
+                calls.append((kernel, "forward", (x, y, reduction, 0.5, float_loss, *wants, False, *op_args)))
         calls.append((kernel, "backward", (x, y, torch.rand_like(x), True, False, *op_args)))
         calls.append((kernel, "backward", (x, y, torch.rand_like(x), False, True, *op_args)))
         calls.append((kernel, "scale_by_grad_output_", (x.clone(), torch.tensor(2.0, device=device))))
@@ -102,7 +103,8 @@ def op_calls(device):
             for reduction, float_loss in ((NONE, False), (MEAN, False), (MEAN, True)):
                 for want_grad_logits, want_lse in ((True, False), (False, True)):
                     calls.append(("cross_entropy", "forward", (logits, target, weights, -100, reduction, float_loss,
-                                                               0.1, 1e-3, want_grad_logits, probs, want_lse, False)))
+                                                               0.1, 1e-3, want_grad_logits, probs, want_lse, False,
+                                                               False)))
             calls.append(("cross_entropy", "backward", (logits, target, weights, -100, 0.1, 1e-3, grad_output,
                                                         True, probs)))
     return calls
@@ -148,20 +150,20 @@ def test_fake_outputs_on_cuda_need_no_gpu():
         logits = torch.empty(5, 7, device="cuda", dtype=torch.bfloat16)
         target = torch.empty(5, device="cuda", dtype=torch.int64)
         loss, grad_logits, grad_target, lse = torch.ops.fused_losses_cross_entropy.forward(
-            logits, target, None, -100, NONE, False, 0.0, 0.0, True, False, True, False)
+            logits, target, None, -100, NONE, False, 0.0, 0.0, True, False, True, False, False)
         assert (loss.shape, grad_logits.shape, grad_target.shape, lse.shape, lse.dtype) == (
             (5,), (0,), (0,), (5,), torch.float32)
         assert loss.device.type == "cuda" and loss.dtype == torch.bfloat16
         loss, grad_input, grad_target = torch.ops.fused_losses_mse.forward(logits, logits, MEAN, 0.1, True, True,
-                                                                           False)
+                                                                           False, False)
         assert (loss.shape, loss.dtype, grad_input.shape, grad_target.shape) == ((), torch.float32, (5, 7), (0,))
 
 
 def test_old_torch_runs_eagerly_without_the_stable_ops():
-    if losses.COMPILE_OPS:
+    if loss_helpers.COMPILE_OPS:
         assert hasattr(torch.ops.fused_losses_mse, "forward")
     else:
-        assert not losses.is_compiling() and losses._COMPILE_LIBRARIES == []
+        assert not loss_helpers.is_compiling() and loss_helpers.define_compile_ops("mse", {}) is None
 
 
 # ----------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import loader
+import cross_entropy
+import loss_helpers
 import losses
 from helpers import DTYPES, FLOOR, check_against_float64, check_special_values_match_torch, rel_err
 
@@ -170,8 +172,8 @@ SHAPES = {
 def path_of(logits, target, reduction="mean", grad=False, lse=False, label_smoothing=0.0):
     """The kernel path (kernels/cross_entropy_launch.cuh) of a call with 2-D logits."""
     return loader.load_for_device("cross_entropy", logits.device, logits.dtype).cross_entropy_path(
-        logits, target, None, IGNORE, losses.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, grad, False,
-        lse, False)
+        logits, target, None, IGNORE, loss_helpers.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, grad,
+        False, lse, False, False)
 
 
 @contextlib.contextmanager
@@ -458,7 +460,7 @@ def test_arguments_crossed_match_float64(case, dtype, reduction, options):
         return losses.cross_entropy(x, t, weight=w, z_loss=z_loss, **arguments)
 
     def truth(x, t, w=None):
-        return losses._torch_cross_entropy(x, t, w, arguments["ignore_index"], reduction,
+        return cross_entropy.reference_cross_entropy(x, t, w, arguments["ignore_index"], reduction,
                                            arguments["label_smoothing"], z_loss, False)
 
     check_against_float64(fused, truth, inputs, grad_of=(0, 1) if options["probs"] else (0,),
@@ -717,7 +719,7 @@ def test_one_unbatched_ignored_target_gives_torchs_cuda_result(weight, reduction
 
 def capped_reference(softcap, **options):
     def loss(logits, target):
-        return losses._torch_cross_entropy(softcap * torch.tanh(logits / softcap), target, None, IGNORE,
+        return cross_entropy.reference_cross_entropy(softcap * torch.tanh(logits / softcap), target, None, IGNORE,
                                            options.get("reduction", "mean"), options.get("label_smoothing", 0.0),
                                            options.get("z_loss", 0.0), False)
     return loss

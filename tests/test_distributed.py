@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import cross_entropy
 import losses
 import vocab_parallel
 
@@ -66,7 +67,7 @@ def check_case(index, rank, group, device):
     # The truth: the whole logits in float64, by torch's formula (plus the z-loss and lse).
     full = logits.double().requires_grad_()
     full_target = target.double().requires_grad_() if probs else target.long()
-    truth, truth_lse = losses._torch_cross_entropy(full, full_target, None if weight is None else weight.double(),
+    truth, truth_lse = cross_entropy.reference_cross_entropy(full, full_target, None if weight is None else weight.double(),
                                                    options["ignore_index"], options["reduction"],
                                                    options["label_smoothing"], options["z_loss"], True,
                                                    options["softcap"])
@@ -118,7 +119,7 @@ def check_linear_case(index, rank, group, device):
         truth, truth_lse = truth.double(), truth_lse.double()
     else:
         full = [t.detach().double().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-        truth, truth_lse = losses._torch_cross_entropy(torch.nn.functional.linear(*full), target, None, ignore_index,
+        truth, truth_lse = cross_entropy.reference_cross_entropy(torch.nn.functional.linear(*full), target, None, ignore_index,
                                                        options["reduction"], options["label_smoothing"],
                                                        options["z_loss"], True, options["softcap"])
     grad_output = torch.rand_like(truth) + 0.5

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import linear_ce
+import linear_cross_entropy
+import cross_entropy
 import losses
 from helpers import check_against_float64 as check_float64
 
@@ -30,7 +31,7 @@ def reference(options, ignore_index=-100):
         if options["softcap"] is not None:
             logits = options["softcap"] * torch.tanh(logits / options["softcap"])
         logits = logits.reshape(-1, logits.shape[-1])
-        value = losses._torch_cross_entropy(logits, t.reshape(-1), None, ignore_index, options["reduction"],
+        value = cross_entropy.reference_cross_entropy(logits, t.reshape(-1), None, ignore_index, options["reduction"],
                                             options["label_smoothing"], options["z_loss"], False)
         return value.reshape(t.shape) if options["reduction"] == "none" else value
     return loss
@@ -52,7 +53,7 @@ def make_inputs(shape, hidden, vocab, dtype, device, target_dtype=torch.int64):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """16 classes a chunk: 50 classes span four chunks, the last one 2 wide (the kernels' unvectorized path)."""
-    monkeypatch.setattr(linear_ce, "chunk_width", lambda rows, vocab, element_size: 16)
+    monkeypatch.setattr(linear_cross_entropy, "chunk_width", lambda rows, vocab, element_size: 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -162,8 +163,8 @@ def test_same_bits_every_run_and_no_host_sync():
 def test_the_logits_never_exist_whole(monkeypatch):
     """Peak memory of a training step beyond its inputs and gradients: one chunk of logits and
     d input in float32 (plus the matrix products' workspace), where eager holds all N x V logits."""
-    monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1 << 22)
-    monkeypatch.setattr(linear_ce, "MIN_CHUNK_CLASSES", 1024)
+    monkeypatch.setattr(linear_cross_entropy, "CHUNK_BYTES", 1 << 22)
+    monkeypatch.setattr(linear_cross_entropy, "MIN_CHUNK_CLASSES", 1024)
     rows, hidden, vocab = 2048, 256, 32000  # logits: 131 MB in bf16
     x, w, t, b = leaf_inputs((rows,), hidden, vocab, torch.bfloat16, "cuda")
     _training_step(x, w, t, b)  # builds and warms up

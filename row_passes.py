@@ -1,0 +1,207 @@
+"""The row-pass engine: cross-entropy of class-index targets over a chunk of classes of every
+row at a time, in two passes (kernels/row_passes.cu on CUDA; the same math in torch ops,
+its one twin, elsewhere).
+
+fold_stats folds a chunk into each row's running statistics (max, sum of exp, target logit,
+logit sum, sum of exp over the other classes, in float32; float64 for float64), from which
+finish_loss gives the loss and the softmax's statistics; write_gradient, given those and each
+row's scale, writes the chunk's gradient. Three schedules run them:
+- RowPassCrossEntropy (here): whole (rows, C) logits, for cross_entropy with softcap, and a
+  vocabulary shard's logits (vocab_parallel.py), whose statistics are combined across the
+  group between the passes (its Shards object);
+- linear_cross_entropy.py: chunks of logits that a matrix product just wrote, recomputed in
+  backward and turned into their gradient in place.
+"""
+from __future__ import annotations
+
+import torch
+
+if __package__:
+    from . import loss_helpers as helpers
+else:
+    import loss_helpers as helpers
+
+_COMPILE_LIBRARY = helpers.define_compile_ops("row_passes", {"forward": helpers.no_outputs_fake,
+                                                             "backward": helpers.no_outputs_fake})
+STAT_ROWS = 5  # max, sum of exp, target logit, logit sum, sum of exp over the other classes
+
+
+def new_stats(rows: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Running statistics of no class yet, for logits of `dtype`: (STAT_ROWS, rows)."""
+    stats = torch.zeros(STAT_ROWS, rows, dtype=helpers.accumulation_dtype(dtype), device=device)
+    stats[0] = -torch.inf
+    return stats
+
+
+def fold_stats(z, target, start: int, classes: int, stats, softcap: float) -> None:
+    """Folds z (rows, width), classes [start, start + width) of `classes`, into stats."""
+    if z.is_cuda:
+        helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap)
+    else:
+        _stats_torch(z, target, start, stats, softcap)
+
+
+def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: float, z_loss: float):
+    """(per-row loss, softmax_stats, count) from complete statistics: loss 0 for an ignored row, NaN
+    for a class outside [0, classes); softmax_stats (3, rows): each row's max and log(sum exp),
+    whose sum is the lse (lse_of; write_gradient takes them apart), and its target's p - 1 as
+    -(the other classes' sum) / (the sum), which does not cancel; count: the rows not ignored
+    (0-dim, on the device: no host sync)."""
+    softmax_stats = torch.stack([stats[0], torch.log(stats[1]), -stats[4] / stats[1]])
+    lse = lse_of(softmax_stats)
+    counted, invalid = _row_counts(target, ignore_index, classes)
+    ce = (1 - label_smoothing) * (lse - stats[2]) + label_smoothing * (lse - stats[3] / classes)
+    loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
+    return loss, softmax_stats, counted.sum()
+
+
+def finish(stats, target, ignore_index: int, classes: int, label_smoothing: float, z_loss: float, shards):
+    """finish_loss of this call's statistics, combined with the group's first where the classes
+    are sharded (shards: vocab_parallel.Shards, else None). Returns (per-row loss, softmax_stats,
+    count, the number of classes: an int, or a 0-dim tensor where only the device knows it)."""
+    if shards is not None:
+        stats, classes = shards.combine(stats)
+    return (*finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss), classes)
+
+
+def lse_of(softmax_stats):
+    return softmax_stats[0] + softmax_stats[1]
+
+
+def reduce_loss(loss, count, reduction: str):
+    if reduction == "none":
+        return loss
+    return loss.sum() / count.to(loss.dtype) if reduction == "mean" else loss.sum()  # none counted: NaN, as torch
+
+
+def row_scales(grad_output, target, count, ignore_index: int, classes, reduction: str, dtype):
+    """Each row's factor on its gradient: grad_output (times 1 / count for 'mean'); 0 for an
+    ignored row, NaN for a class outside [0, classes)."""
+    counted, invalid = _row_counts(target, ignore_index, classes)
+    scale = grad_output.to(dtype)
+    if reduction == "mean":
+        scale = scale / count.to(dtype)
+    return torch.where(invalid, torch.nan, torch.where(counted, scale, 0.0)).contiguous()
+
+
+def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scale, label_smoothing: float,
+                   z_loss: float, softcap: float) -> None:
+    """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself), given
+    finish_loss's softmax_stats. classes: an int, or a 0-dim tensor of softmax_stats' dtype where only
+    the device knows it."""
+    if not z.is_cuda:
+        _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
+        return
+    ops = helpers.kernel_ops("row_passes", z)
+    if isinstance(classes, torch.Tensor):
+        ops.backward(z, grad, target, start, start + z.shape[1], classes, softmax_stats, row_scale, label_smoothing,
+                     z_loss, softcap)
+    else:
+        ops.backward(z, grad, target, start, classes, None, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
+
+
+def save_for_backward(ctx, saved, classes) -> None:
+    """Saves `saved` and the number of classes (a tensor where only the device knows it)."""
+    if isinstance(classes, torch.Tensor):
+        ctx.save_for_backward(*saved, classes)
+        ctx.classes = None
+    else:
+        ctx.save_for_backward(*saved)
+        ctx.classes = classes
+
+
+def saved_tensors(ctx):
+    """(*saved, classes) as save_for_backward was given them."""
+    return ctx.saved_tensors if ctx.classes is None else (*ctx.saved_tensors, ctx.classes)
+
+
+def forward_outputs(ctx, loss, softmax_stats):
+    """The end of every row-pass Function's forward: (loss, lse), the lse without gradient
+    (backward gets grad_output alone, None if unused)."""
+    lse = lse_of(softmax_stats)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    return loss, lse
+
+
+class RowPassCrossEntropy(torch.autograd.Function):
+    """Class-index cross-entropy of whole (rows, C) logits, classes [start, start + C): the
+    statistics, then the gradient in backward from the saved logits and lse. options:
+    (ignore_index, label_smoothing, z_loss, softcap or 0, reduction, shards), shards a
+    vocab_parallel.Shards (the logits are this rank's shard) or None. Returns (loss, lse) in
+    the accumulation type."""
+
+    @staticmethod
+    def forward(ctx, logits, target, options):
+        ignore_index, label_smoothing, z_loss, softcap, reduction, shards = options
+        start = 0 if shards is None else shards.start
+        stats = new_stats(logits.shape[0], logits.dtype, logits.device)
+        fold_stats(logits, target, start, start + logits.shape[1], stats, softcap)
+        loss, softmax_stats, count, classes = finish(stats, target, ignore_index, logits.shape[1], label_smoothing,
+                                                     z_loss, shards)
+        ctx.options = options
+        save_for_backward(ctx, (logits, target, softmax_stats, count), classes)
+        return forward_outputs(ctx, reduce_loss(loss, count, reduction), softmax_stats)
+
+    @staticmethod
+    def backward(ctx, grad_output, _):
+        if grad_output is None:
+            return None, None, None
+        ignore_index, label_smoothing, z_loss, softcap, reduction, shards = ctx.options
+        helpers.no_second_derivative("cross_entropy with " + ("process_group" if shards else "softcap"))
+        logits, target, softmax_stats, count, classes = saved_tensors(ctx)
+        start = 0 if shards is None else shards.start
+        row_scale = row_scales(grad_output, target, count, ignore_index, classes, reduction, softmax_stats.dtype)
+        grad = torch.empty_like(logits)
+        write_gradient(logits, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss,
+                       softcap)
+        return grad, None, None
+
+
+def _row_counts(target, ignore_index, classes):
+    counted = target != ignore_index
+    return counted, counted & ((target < 0) | (target >= classes))  # outside [0, V): NaN, as cross_entropy's kernels
+
+
+# ----------------------------------------------------------------------------------
+# The same math in torch ops, for devices without the kernels.
+
+def _capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(z / softcap).mul_(softcap) if softcap else z
+
+
+def _stats_torch(z, target, start, stats, softcap):
+    z = _capped(z.to(stats.dtype), softcap)
+    run_max = stats[0]
+    chunk_max = z.amax(1)
+    e = torch.where(chunk_max[:, None] == -torch.inf, 0.0, torch.exp(z - chunk_max[:, None]))
+    index = target - start
+    inside = (index >= 0) & (index < z.shape[1])
+    at_target = index.clamp(0, z.shape[1] - 1).long()[:, None]
+    others = e.scatter(1, at_target, torch.where(inside[:, None], 0.0, e.gather(1, at_target))).sum(1)
+    new_max = torch.maximum(run_max, chunk_max)
+    old_scale = torch.where(run_max == new_max, 1.0, torch.exp(run_max - new_max))
+    new_scale = torch.where(chunk_max == new_max, 1.0, torch.exp(chunk_max - new_max))
+    stats[1] = stats[1] * old_scale + e.sum(1) * new_scale
+    stats[4] = stats[4] * old_scale + others * new_scale
+    stats[0] = new_max
+    stats[2] = torch.where(inside, z.gather(1, at_target)[:, 0], stats[2])
+    stats[3] += z.sum(1)
+
+
+def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap):
+    capped = _capped(z.to(softmax_stats.dtype), softcap)
+    p = torch.exp((capped - softmax_stats[0, :, None]) - softmax_stats[1, :, None])
+    a = row_scale * (1 + 2 * z_loss * lse_of(softmax_stats))
+    grad = p * a[:, None] - (row_scale * label_smoothing / classes)[:, None]
+    index = target - start
+    inside = (index >= 0) & (index < z.shape[1])
+    at_target = index.clamp(0, z.shape[1] - 1).long()[:, None]
+    # At the target a p - r (1 - eps) - b, with p - 1 given: r (p - 1) + (a - r) p + r eps - b.
+    at = (row_scale * softmax_stats[2] + (a - row_scale) * p.gather(1, at_target)[:, 0] + row_scale * label_smoothing
+          - row_scale * label_smoothing / classes)
+    grad.scatter_(1, at_target, torch.where(inside, at, grad.gather(1, at_target)[:, 0])[:, None])
+    if softcap:  # 1 - tanh^2 as 4 q (1 - q), q = 1 / (e^2|y| + 1): no cancellation where it saturates
+        q = 1 / (torch.exp(2 * (z.to(softmax_stats.dtype) / softcap).abs()) + 1)
+        grad.mul_(4 * q * (1 - q))
+    out.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
