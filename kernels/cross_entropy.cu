@@ -29,10 +29,13 @@
 // 40000-class fp32 row, 90% of a 128256-class bf16 row), and the gradient pass reads the
 // rest again, what the first pass read last, mostly from L2.
 // Probability targets add b per logit read (and b written for their gradient).
+//
+// Its own headers, in cross_entropy/: row_math.cuh (one row's math), row_kernels.cuh and
+// pipelined_kernel.cuh (the kernels), launch_policy.cuh (which kernel takes a call).
 
 #include <string>
 
-#include "cross_entropy_launch.cuh"
+#include "cross_entropy/launch_policy.cuh"
 #include "finish.cuh"
 #include "launch.cuh"
 

@@ -70,8 +70,8 @@ KERNEL_HEADERS = {
     "chunked_cross_entropy": set(),
     "mse": {"pointwise.cuh"},
     "kl_div": {"pointwise.cuh"},
-    "cross_entropy": {"sm90.cuh", "cross_entropy_row.cuh", "cross_entropy_rows.cuh", "cross_entropy_pipelined.cuh",
-                      "cross_entropy_launch.cuh"},
+    "cross_entropy": {"sm90.cuh", "cross_entropy/row_math.cuh", "cross_entropy/row_kernels.cuh",
+                      "cross_entropy/pipelined_kernel.cuh", "cross_entropy/launch_policy.cuh"},
 }
 
 

@@ -1,4 +1,4 @@
-// cross_entropy_row.cuh: the math of one cross-entropy row, shared by every row kernel:
+// cross_entropy/row_math.cuh: the math of one cross-entropy row, shared by every row kernel:
 // running max and sum, class sums, where a row's packs lie, its target, its loss and its
 // gradient's coefficients (finish_row), the kernels' parameters, and the targets counted
 // for 'mean'. The formulas are cross_entropy.cu's header.
