@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-KERNELS = ("chunked_cross_entropy", "cross_entropy", "kl_div", "mse")
+KERNELS = ("cross_entropy", "kl_div", "mse", "row_passes")
 # The dtypes a build can hold, by name, with kernels/ops.h's DType codes.
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 EXTRA_CFLAGS = ["-O3"]

@@ -397,7 +397,7 @@ inline void force_cross_entropy_path(const std::string& path) {
 }
 
 // ---------------------------------------------------------------------------------
-// Cross-entropy a chunk of classes at a time (chunked_cross_entropy.cu).
+// The row passes: cross-entropy a chunk of classes at a time (row_passes.cu).
 
 // A chunk's call: (rows, width) logits, contiguous, classes [class_start, class_start +
 // width) of `classes`; (rows,) class indices; per-row tensors (rows,) or (k, rows) in the
@@ -405,12 +405,12 @@ inline void force_cross_entropy_path(const std::string& path) {
 inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
                                        int64_t classes, double softcap) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(),
-              "chunked_cross_entropy: logits must be a contiguous (rows, width) CUDA tensor");
+              "row_passes: logits must be a contiguous (rows, width) CUDA tensor");
   TORCH_CHECK(target.device() == logits.device() && target.dim() == 1 && target.size(0) == logits.size(0) &&
                   target.is_contiguous() && (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
-              "chunked_cross_entropy: target must be (rows,) contiguous int64 or int32 on the logits' device");
+              "row_passes: target must be (rows,) contiguous int64 or int32 on the logits' device");
   TORCH_CHECK(class_start >= 0 && class_start + logits.size(1) <= classes,
-              "chunked_cross_entropy: the chunk's classes must lie in [0, classes)");
+              "row_passes: the chunk's classes must lie in [0, classes)");
   LogitChunkCall call{};
   call.dtype = dtype_of(logits);
   call.rows = logits.size(0);
@@ -428,14 +428,14 @@ inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits,
   const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(tensor.device() == logits.device() && tensor.scalar_type() == acc && tensor.is_contiguous() &&
                   tensor.numel() == leading * logits.size(0),
-              "chunked_cross_entropy: ", name, " must hold ", leading, " x rows contiguous values of the "
+              "row_passes: ", name, " must hold ", leading, " x rows contiguous values of the "
               "accumulation type on the logits' device");
 }
 
 // Forward: folds the chunk into stats (5, rows): running max, sum of exp, target logit, logit
 // sum, sum of exp over the other classes.
-inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
-                                          int64_t classes, at::Tensor stats, double softcap) {
+inline void row_passes_forward(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
+                               int64_t classes, at::Tensor stats, double softcap) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
   check_row_tensor(stats, logits, 5, "stats");
@@ -447,23 +447,21 @@ inline void chunked_cross_entropy_forward(const at::Tensor& logits, const at::Te
 // `logits`), given each row's softmax_stats (3, rows: max, log sum exp, the target's p - 1)
 // and scale. class_count: one value of the accumulation type, the number of classes where only
 // the device knows it (vocabulary-parallel), or None: `classes`.
-inline void chunked_cross_entropy_backward(const at::Tensor& logits, at::Tensor grad, const at::Tensor& target,
-                                           int64_t class_start, int64_t classes,
-                                           const c10::optional<at::Tensor>& class_count,
-                                           const at::Tensor& softmax_stats,
-                                           const at::Tensor& row_scale, double label_smoothing, double z_loss,
-                                           double softcap) {
+inline void row_passes_backward(const at::Tensor& logits, at::Tensor grad, const at::Tensor& target,
+                                int64_t class_start, int64_t classes, const c10::optional<at::Tensor>& class_count,
+                                const at::Tensor& softmax_stats, const at::Tensor& row_scale,
+                                double label_smoothing, double z_loss, double softcap) {
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.is_contiguous(),
-              "chunked_cross_entropy: grad must be contiguous, of the logits' shape, dtype and device");
+              "row_passes: grad must be contiguous, of the logits' shape, dtype and device");
   check_row_tensor(softmax_stats, logits, 3, "softmax_stats");
   check_row_tensor(row_scale, logits, 1, "row_scale");
   if (class_count.has_value() && class_count->defined()) {
     TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == softmax_stats.scalar_type() &&
                     class_count->device() == logits.device(),
-                "chunked_cross_entropy: class_count must be one value of lse's dtype on the logits' device");
+                "row_passes: class_count must be one value of lse's dtype on the logits' device");
     call.class_count = class_count->data_ptr();
   }
   call.grad = grad.data_ptr();

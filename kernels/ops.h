@@ -107,7 +107,7 @@ const char* cross_entropy_call_path(const CrossEntropyCall& call, int device);
 void set_forced_cross_entropy_path(const char* path);
 
 // A chunk of classes of every row: (rows, width) logits, contiguous, classes [class_start,
-// class_start + width) of `classes` (chunked_cross_entropy.cu has the math).
+// class_start + width) of `classes` (row_passes.cu has the math).
 struct LogitChunkCall {
   DType dtype;
   int64_t rows, width, class_start, classes;

@@ -1,4 +1,4 @@
-// chunked_cross_entropy.cu: cross-entropy over a chunk of the classes, [class_start,
+// row_passes.cu: the row-pass engine: cross-entropy over a chunk of the classes, [class_start,
 // class_start + width) of `classes`, of each row, in two passes: `stats` folds the chunk into
 // per-row running statistics; `gradient`, given every row's lse, writes the chunk's gradient.
 // What runs it (losses.py): linear_cross_entropy (linear_ce.py: chunks of logits that a
@@ -212,8 +212,8 @@ void launch_logit_chunk(const LogitChunkCall& call, const LaunchContext& context
   });
 }
 
-// Host entry points (ops.h; entry_points.h's chunked_cross_entropy_forward and
-// chunked_cross_entropy_backward call them).
+// Host entry points (ops.h; entry_points.h's row_passes_forward and row_passes_backward
+// call them).
 
 void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context) {
   launch_logit_chunk(call, context, [](auto tag, auto vec) {
