@@ -30,9 +30,9 @@
 namespace fused_losses {
 
 // backward: scales the saved gradients in place by grad_output over the forward's guess at
-// it (on the GPU, no work when the guess came true) and hands them on. The node holds their
-// only reference, so autograd makes them .grad without a copy. Under retain_graph=True
-// another backward may follow: that backward hands on scaled copies and keeps the gradients.
+// it (grad_output_guess.cuh) and hands them on. The node holds their only reference, so
+// autograd makes them .grad without a copy. Under retain_graph=True another backward may
+// follow: that backward hands on scaled copies and keeps the gradients.
 struct ScaleSavedGradients : torch::autograd::Node {
   torch::autograd::variable_list grads;  // one per next edge; undefined where none is wanted
   at::Tensor guess;                      // the forward's guess_slot (entry_points.h), or undefined

@@ -40,13 +40,9 @@ struct ScalarOut {
   DType dtype = DType::kFloat32;
 };
 
-// A scalar loss's forward may multiply the gradients it writes by a guess at the
-// grad_output that backward will bring: the last one this build's backward saw on the
-// stream (finish.cuh, grad_output_guess). Backward then divides the guess out, which costs
-// nothing when it came true. `applied` (one element, nullptr: no guess) is where the
-// forward records the factor it used, for that backward.
+// The forward's guess at grad_output (the protocol: grad_output_guess.cuh).
 struct GradOutputGuess {
-  ScalarOut applied;
+  ScalarOut applied;  // one element: the factor the forward used, for backward; nullptr: no guess
 };
 
 // A pointwise loss over n elements of `dtype` (MSE, KL). Forward of a scalar reduction:
@@ -70,8 +66,8 @@ void mse_launch(const PointwiseCall& call, const LaunchContext& context);
 void kl_div_launch(const PointwiseCall& call, bool log_input, bool log_target, const LaunchContext& context);
 
 // In place: grad[0:n] *= *grad_output / applied (one element each, read on the GPU; applied
-// is the forward's GradOutputGuess::applied, 1 where its data is nullptr). Records
-// grad_output as the stream's next guess.
+// is the forward's GradOutputGuess::applied, 1 where its data is nullptr). The guess's
+// backward (grad_output_guess.cuh).
 void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
                                  const LaunchContext& context);
 

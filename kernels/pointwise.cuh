@@ -4,6 +4,7 @@
 
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"
 #include "launch.cuh"
 
 namespace fused_losses {
@@ -35,7 +36,7 @@ struct Needs {
 struct PointwiseArgs {
   int64_t n;
   double grad_scale;  // multiplies every gradient (1/n for 'mean', 1/batch for 'batchmean')
-  const double* guess_source;  // and so does this guess at grad_output, when set (grad_output_guess)
+  const double* guess_source;  // and so does this guess at grad_output, when set (grad_output_guess.cuh)
   ScalarOut guess_applied;
 };
 

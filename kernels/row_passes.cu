@@ -23,6 +23,7 @@
 
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"  // scale_by_grad_output_launch, which every build binds
 #include "launch.cuh"
 
 namespace fused_losses {

@@ -65,7 +65,8 @@ TORCH_REQUIRES_CUDA_12 = ['nvidia-cuda-runtime-cu12==12.4.127; platform_system =
 # ----------------------------------------------------------------------------------
 # What a build is.
 
-SHARED_HEADERS = {"device.cuh", "launch.cuh", "finish.cuh", "ops.h", "entry_points.h", "autograd_node.h"}
+SHARED_HEADERS = {"device.cuh", "launch.cuh", "finish.cuh", "grad_output_guess.cuh", "ops.h", "entry_points.h",
+                  "autograd_node.h"}
 KERNEL_HEADERS = {
     "mse": {"pointwise.cuh"},
     "kl_div": {"pointwise.cuh"},

@@ -15,6 +15,7 @@
 #include "cross_entropy/row_math.cuh"
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"
 #include "launch.cuh"
 
 namespace fused_losses {

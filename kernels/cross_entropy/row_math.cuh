@@ -9,6 +9,7 @@
 
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"
 
 namespace fused_losses {
 
@@ -342,7 +343,7 @@ struct CrossEntropyParams {
   // gridDim.x), after its rows.
   sum_t* divisors_by_blocks;
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
-  const double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess), or nullptr
+  const double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess.cuh), or nullptr
   ScalarOut guess_applied;     // where the factor used is recorded, or nullptr
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
