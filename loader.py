@@ -7,10 +7,10 @@
 Each build is one extension, compiled with torch.utils.cpp_extension.load_inline for one
 GPU arch and one dtype: a first call builds only what it runs. Its name carries the
 kernel, dtype, arch and a hash of everything that shapes the binary (the .cu and the
-headers it includes, its bindings, compile flags, torch and CUDA versions, Python
-version), so a new GPU, an edited kernel or a torch upgrade gets a build of its own and
-nothing stale is ever loaded. A build is a Python module of that same name (pybind11
-bindings, BINDINGS), so several builds can live in one process.
+kernels/ headers it includes, subfolders too, its bindings, compile flags, torch and CUDA
+versions, Python version), so a new GPU, an edited kernel or a torch upgrade gets a build
+of its own and nothing stale is ever loaded. A build is a Python module of that same name
+(pybind11 bindings, BINDINGS), so several builds can live in one process.
 
 Builds go under $TORCH_EXTENSIONS_DIR (torch's default cache when unset)/fused_losses.
 A build runs under an OS-level lock (fcntl.flock), released by the kernel when its
@@ -111,7 +111,7 @@ class BuildError(RuntimeError):
 
 def kernel_sources(name: str) -> dict[str, str]:
     """kernels/<name>.cu, the bindings (BINDINGS) as main.cpp, and every kernels/ header
-    either includes (recursively), by file name."""
+    either includes (recursively), by path relative to kernels/ ("cross_entropy/row_math.cuh")."""
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
@@ -119,16 +119,18 @@ def kernel_sources(name: str) -> dict[str, str]:
     pending = [path, *_included_headers(sources["main.cpp"])]
     while pending:
         file = pending.pop()
-        if file.name in sources:
+        key = file.relative_to(KERNEL_DIR).as_posix()
+        if key in sources:
             continue
         text = file.read_text()
-        sources[file.name] = text
+        sources[key] = text
         pending.extend(_included_headers(text))
     return sources
 
 
 def _included_headers(text: str) -> list[Path]:
-    """The kernels/ headers that C++ source text includes ("..." includes only)."""
+    """The kernels/ headers that C++ source text includes ("..." includes only). Every file,
+    in a subfolder too, names them relative to kernels/ (the build's include path)."""
     found = (KERNEL_DIR / name for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', text, flags=re.M))
     return [header for header in found if header.is_file()]
 

@@ -4,10 +4,10 @@
 // Why C++: a launch-bound training step is bound by host time, and a Python
 // autograd.Function costs 10-37 us a step more than this node (notes, v19 and v26): its
 // apply, and its backward, which runs Python on autograd's device thread (and takes the
-// GIL there). torch.compile cannot trace this node; under it losses.py uses its Python
+// GIL there). torch.compile cannot trace this node; under it the loss modules use their Python
 // Functions, whose graphs are functional.
 //
-// backward(create_graph=True) alone calls back into Python (losses.py's _gradient_graph):
+// backward(create_graph=True) alone calls back into Python (each loss module's _gradient_graph):
 // the gradient is recomputed by torch's formula from the loss's operands, which the node
 // holds weakly, so that the usual backward keeps nothing alive.
 #pragma once
@@ -30,9 +30,9 @@
 namespace fused_losses {
 
 // backward: scales the saved gradients in place by grad_output over the forward's guess at
-// it (on the GPU, no work when the guess came true) and hands them on. The node holds their
-// only reference, so autograd makes them .grad without a copy. Under retain_graph=True
-// another backward may follow: that backward hands on scaled copies and keeps the gradients.
+// it (grad_output_guess.cuh) and hands them on. The node holds their only reference, so
+// autograd makes them .grad without a copy. Under retain_graph=True another backward may
+// follow: that backward hands on scaled copies and keeps the gradients.
 struct ScaleSavedGradients : torch::autograd::Node {
   torch::autograd::variable_list grads;  // one per next edge; undefined where none is wanted
   at::Tensor guess;                      // the forward's guess_slot (entry_points.h), or undefined

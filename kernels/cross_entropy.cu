@@ -16,23 +16,26 @@
 // Gradient, with p = softmax(x) and per-row coefficients (RowGradient):
 //   d/dx_c = p_c A - w_c (a y_c + b) - [c == t] B,     d/dy_c = a w_c (lse - x_c).
 //
-// Bytes per logit (b = element size): forward b. Training step: 2b (the forward writes
-// the gradient as it goes; backward only scales it by grad_output, and not at all when
-// that is 1), or b with inplace_backward, whose gradient overwrites the logits. A row of
-// up to cache_packs * kMaxThreads packs stays in registers between the passes, so it is
-// read from HBM once (without a gradient, many such rows are streamed by a warp each).
-// A longer row is streamed; when its gradient is written, on sm_90 (class-index
-// targets, no label smoothing, 2- and 4-byte dtypes) the copy engine brings
-// it into shared memory, split among a cluster of blocks where it is longer than half a
-// block's (cross_entropy_pipelined_kernel): read once. Elsewhere the first pass keeps as
-// much of its front in shared memory as one block can have (227 KB on an H100: all of a
-// 40000-class fp32 row, 90% of a 128256-class bf16 row), and the gradient pass reads the
-// rest again, what the first pass read last, mostly from L2.
+// Bytes per logit (b = element size): forward b. Training step: 2b (the forward writes the
+// gradient as it goes; backward only scales it by grad_output, and not at all when the
+// forward guessed it: grad_output_guess.cuh), or b with inplace_backward, whose gradient
+// overwrites the logits. A row of up to cache_packs * kMaxThreads packs stays in registers
+// between the passes, so it is read from HBM once (without a gradient, many such rows are
+// streamed by a warp each). A longer row is streamed; when its gradient is written, on
+// sm_90 (class-index targets, no label smoothing, 2- and 4-byte dtypes) the copy engine
+// brings it into shared memory, split among a cluster of blocks where it is longer than
+// half a block's (cross_entropy_pipelined_kernel): read once. Elsewhere the first pass
+// keeps as much of its front in shared memory as one block can have (227 KB on an H100:
+// all of a 40000-class fp32 row, 90% of a 128256-class bf16 row), and the gradient pass
+// reads the rest again, what the first pass read last, mostly from L2.
 // Probability targets add b per logit read (and b written for their gradient).
+//
+// Its own headers, in cross_entropy/: row_math.cuh (one row's math), row_kernels.cuh and
+// pipelined_kernel.cuh (the kernels), launch_policy.cuh (which kernel takes a call).
 
 #include <string>
 
-#include "cross_entropy_launch.cuh"
+#include "cross_entropy/launch_policy.cuh"
 #include "finish.cuh"
 #include "launch.cuh"
 
@@ -42,7 +45,7 @@ namespace fused_losses {
 // cross_entropy_path and force_cross_entropy_path call them).
 
 void cross_entropy_launch(const CrossEntropyCall& call, const LaunchContext& context) {
-  if (call.rows * call.classes > 0) launch_cross_entropy(call, context);  // losses.py sends empty inputs to torch
+  if (call.rows * call.classes > 0) launch_cross_entropy(call, context);  // Python sends empty inputs to torch
 }
 
 const char* cross_entropy_call_path(const CrossEntropyCall& call, int device) {

@@ -1,10 +1,11 @@
-// entry_points.h: every build's entry points, as Python calls them (loader.py's BINDINGS
-// bind them; losses.py's KERNEL_OPS repeats their signatures as schemas for torch.compile).
+// entry_points.h: every build's entry points, as Python calls them. Their parameter lists
+// and return types are op_signatures.py's declarations, which loader.py writes as macros
+// (FUSED_LOSSES_<KERNEL>_<OP>_PARAMS / _RETURNS) into the build's main.cpp and binds by name.
 // The tensor side of each call: checks, contiguity, outputs and scratch memory, on the
 // current stream of the inputs' device. Compiled by the host compiler in the build's
 // main.cpp; the kernels (ops.h) get raw pointers. Every kernel has <kernel>_forward and
 // <kernel>_backward; cross_entropy also the test-only cross_entropy_path and
-// force_cross_entropy_path. losses.py checks everything first with friendlier messages;
+// force_cross_entropy_path. The loss modules check everything first with friendlier messages;
 // these checks guard direct calls of the ops.
 #pragma once
 
@@ -86,7 +87,7 @@ inline bool guesses_grad_output(int64_t reduction, bool want_grad, bool guess_gr
 }
 
 // The tensor the loss is written to. A scalar reduction's is 0-dim, in the input's dtype or
-// in float32 when float_loss (what torch's autocast gives for these losses; losses.py asks
+// in float32 when float_loss (what torch's autocast gives for these losses; Python asks
 // for it there); reduction 'none' gives one value per element or row, `unreduced_shape`.
 // With `guess`, the 0-dim loss is the first of two elements: the second records the guess
 // at grad_output that the gradients were multiplied by (guess_slot).
@@ -376,7 +377,7 @@ inline void force_cross_entropy_path(const std::string& path) {
 }
 
 // ---------------------------------------------------------------------------------
-// Cross-entropy a chunk of classes at a time (chunked_cross_entropy.cu).
+// The row passes: cross-entropy a chunk of classes at a time (row_passes.cu).
 
 // A chunk's call: (rows, width) logits, contiguous, classes [class_start, class_start +
 // width) of `classes`; (rows,) class indices; per-row tensors (rows,) or (k, rows) in the
@@ -384,12 +385,12 @@ inline void force_cross_entropy_path(const std::string& path) {
 inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
                                        int64_t classes, double softcap) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(),
-              "chunked_cross_entropy: logits must be a contiguous (rows, width) CUDA tensor");
+              "row_passes: logits must be a contiguous (rows, width) CUDA tensor");
   TORCH_CHECK(target.device() == logits.device() && target.dim() == 1 && target.size(0) == logits.size(0) &&
                   target.is_contiguous() && (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
-              "chunked_cross_entropy: target must be (rows,) contiguous int64 or int32 on the logits' device");
+              "row_passes: target must be (rows,) contiguous int64 or int32 on the logits' device");
   TORCH_CHECK(class_start >= 0 && class_start + logits.size(1) <= classes,
-              "chunked_cross_entropy: the chunk's classes must lie in [0, classes)");
+              "row_passes: the chunk's classes must lie in [0, classes)");
   LogitChunkCall call{};
   call.dtype = dtype_of(logits);
   call.rows = logits.size(0);
@@ -407,7 +408,7 @@ inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits,
   const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(tensor.device() == logits.device() && tensor.scalar_type() == acc && tensor.is_contiguous() &&
                   tensor.numel() == leading * logits.size(0),
-              "chunked_cross_entropy: ", name, " must hold ", leading, " x rows contiguous values of the "
+              "row_passes: ", name, " must hold ", leading, " x rows contiguous values of the "
               "accumulation type on the logits' device");
 }
 
@@ -430,13 +431,13 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.is_contiguous(),
-              "chunked_cross_entropy: grad must be contiguous, of the logits' shape, dtype and device");
+              "row_passes: grad must be contiguous, of the logits' shape, dtype and device");
   check_row_tensor(softmax_stats, logits, 3, "softmax_stats");
   check_row_tensor(row_scale, logits, 1, "row_scale");
   if (class_count.has_value() && class_count->defined()) {
     TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == softmax_stats.scalar_type() &&
                     class_count->device() == logits.device(),
-                "chunked_cross_entropy: class_count must be one value of lse's dtype on the logits' device");
+                "row_passes: class_count must be one value of lse's dtype on the logits' device");
     call.class_count = class_count->data_ptr();
   }
   call.grad = grad.data_ptr();

@@ -1,6 +1,5 @@
 // finish.cuh: the end of every scalar reduction: the finish that adds the blocks' partials
-// in a fixed order, the per-stream ticket, and the backward of a scalar loss
-// (scale_by_grad_output_).
+// in a fixed order, and the per-stream state (the finish's ticket, the guess's source).
 //
 // Scalar reductions are deterministic to the bit: every block writes one partial sum,
 // then the kernel's last block adds the partials in a fixed order (see Finish). The grid
@@ -9,7 +8,7 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
+#include <utility>
 
 #include "device.cuh"
 #include "launch.cuh"
@@ -67,22 +66,6 @@ __device__ __forceinline__ double load_scalar(ScalarOut in) {
     case DType::kBFloat16: return static_cast<float>(*static_cast<const c10::BFloat16*>(in.data));
     default: return *static_cast<const float*>(in.data);
   }
-}
-
-// The factor a forward multiplies its gradients by (after wait_for_previous_kernel): the
-// guess at `source` where it is a power of two within 2^-24..2^24, as loss scales and
-// 1/micro-batches are: scaling by one commutes with every rounding, so the gradient's
-// bits never depend on the guess. Else 1: no source (none asked for, or a stream being
-// captured), no guess yet, another value, or float16, whose range the guess could leave.
-// Block 0's thread 0 records it in `applied` (when set) for backward.
-template <typename T>
-__device__ __forceinline__ double grad_output_guess(const double* source, ScalarOut applied) {
-  const double guess = source != nullptr && !std::is_same<T, c10::Half>::value ? *source : 1.0;
-  int exponent = 0;
-  const bool power_of_two = frexp(fabs(guess), &exponent) == 0.5 && exponent >= -23 && exponent <= 25;  // NaN: no
-  const double usable = power_of_two ? guess : 1.0;
-  if (applied.data != nullptr && blockIdx.x == 0 && threadIdx.x == 0) store_scalar(applied, usable);
-  return usable;
 }
 
 // Partials are read through L2 (ld.global.cg): other blocks of the same launch wrote them.
@@ -151,8 +134,7 @@ __device__ __forceinline__ void finish_if_last_block(const Finish& finish, sum_t
 // on one stream never overlap and on two they may; zeroed once:
 //   ticket: a counter of the launch's finished blocks, that each launch's last block sets
 //     back to 0;
-//   grad_output: the last grad_output this build's backward saw there (0: none yet), the
-//     next forward's guess (grad_output_guess).
+//   grad_output: the next forward's guess at grad_output (grad_output_guess.cuh).
 // Kept for the life of the process (16 bytes per stream: torch's streams come from a fixed
 // pool). From cudaMalloc, not torch's allocator: memory kept for good must not sit in a
 // CUDA graph's pool (torch.compile's reduce-overhead mode allocates from one while it warms up).
@@ -181,13 +163,6 @@ inline unsigned int* finish_ticket(int device, cudaStream_t stream) {
   return state != nullptr ? &state->ticket : nullptr;
 }
 
-// Where a forward that guesses (call.guess.applied set) reads its guess: nullptr for none.
-inline const double* grad_output_guess_source(const GradOutputGuess& guess, const LaunchContext& context) {
-  if (guess.applied.data == nullptr) return nullptr;
-  StreamState* state = stream_state(context.device, context.stream);
-  return state != nullptr ? &state->grad_output : nullptr;
-}
-
 // What a loss kernel launched on the context's stream needs to finish the scalar `loss` itself.
 inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, double scale,
                           const sum_t* divisors, int64_t num_divisors, ScalarOut loss, const LaunchContext& context) {
@@ -208,56 +183,6 @@ inline Finish make_finish(sum_t* partials, int num_terms, int64_t num_partials, 
 inline void finish_without_ticket(const Finish& finish, const LaunchContext& context) {
   if (finish.partials == nullptr || finish.ticket != nullptr) return;
   launch_kernel(finish_sum_kernel, 1, kFinishThreads, 0, 1, context.device, context.stream, finish);
-}
-
-// ---------------------------------------------------------------------------------
-// Backward of a scalar loss whose gradient the forward already wrote (times its guess,
-// `applied`): multiply it by grad_output / applied in place. Both are read on the device
-// (no host sync), and when they are equal, as in the usual loss.backward() or a loop whose
-// loss scale holds from step to step, every block returns without touching memory.
-// grad_output becomes the stream's next guess (`guess`, nullptr: none kept).
-
-template <typename T, int VEC>
-__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output, ScalarOut applied,
-                                            double* guess) {
-  using acc_t = acc_type<T>;
-  wait_for_previous_kernel();
-  const double wanted = static_cast<double>(static_cast<acc_t>(*grad_output));
-  if (guess != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *guess = wanted;
-  const double had = applied.data != nullptr ? load_scalar(applied) : 1.0;
-  if (wanted == had) return;
-  const acc_t scale = static_cast<acc_t>(wanted / had);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t num_packs = n / VEC;
-  for (int64_t p = first; p < num_packs; p += stride) {
-    Pack<T, VEC> pack = load_pack<T, VEC>(grad + p * VEC);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) pack.val[k] = static_cast<T>(static_cast<acc_t>(pack.val[k]) * scale);
-    store_pack<T, VEC>(grad + p * VEC, pack);
-  }
-  for (int64_t i = num_packs * VEC + first; i < n; i += stride) {
-    grad[i] = static_cast<T>(static_cast<acc_t>(grad[i]) * scale);
-  }
-}
-
-// Not inline: the bindings call it from another translation unit (ops.h); each build
-// compiles this header once.
-void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
-                                 const LaunchContext& context) {
-  if (n == 0) return;
-  StreamState* state = stream_state(context.device, context.stream);
-  double* guess = state != nullptr ? &state->grad_output : nullptr;
-  const int threads = 256;
-  dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int VEC = vec16<T>();
-    const bool vector_ok = is_aligned16(grad);
-    auto kernel = vector_ok ? scale_by_grad_output_kernel<T, VEC> : scale_by_grad_output_kernel<T, 1>;
-    const int64_t grid = grid_for(kernel, vector_ok ? n / VEC + 1 : n, threads, context.device);
-    launch_kernel(kernel, grid, threads, 0, 1, context.device, context.stream, static_cast<T*>(grad), n,
-                  static_cast<const T*>(grad_output), applied, guess);
-  });
 }
 
 }  // namespace fused_losses

@@ -10,7 +10,8 @@
 //
 // Bytes per element (b = element size): forward 2b (read input, target). Training step
 // with the gradient of input: 3b (the forward writes it; backward only scales it by
-// grad_output, and not at all when that is 1); with the target's gradient too: 4b.
+// grad_output, and not at all when the forward guessed it: grad_output_guess.cuh); with
+// the target's gradient too: 4b.
 
 #include "pointwise.cuh"
 

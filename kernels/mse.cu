@@ -5,7 +5,8 @@
 //
 // Bytes per element (b = element size): forward 2b (read x, y). Training step with the
 // gradient of x: 3b (the forward writes dx while it reads x and y; backward only scales
-// dx by grad_output, and not at all when grad_output is 1); with dy as well: 4b.
+// dx by grad_output, and not at all when the forward guessed it: grad_output_guess.cuh);
+// with dy as well: 4b.
 // Reduction 'none': forward 3b (writes the loss), backward 3b + b per gradient.
 
 #include "pointwise.cuh"

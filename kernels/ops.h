@@ -17,7 +17,7 @@ namespace fused_losses {
 // The floating dtypes; loader.py's DTYPES holds the same codes.
 enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
 
-// Reduction codes; losses.py holds the same table (REDUCTION_CODES).
+// Reduction codes; loss_helpers.py holds the same table (REDUCTION_CODES).
 enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2, kBatchMean = 3 };
 
 // Host and device: the bindings, launchers and kernels find a pointer's offset the same way.
@@ -40,13 +40,9 @@ struct ScalarOut {
   DType dtype = DType::kFloat32;
 };
 
-// A scalar loss's forward may multiply the gradients it writes by a guess at the
-// grad_output that backward will bring: the last one this build's backward saw on the
-// stream (finish.cuh, grad_output_guess). Backward then divides the guess out, which costs
-// nothing when it came true. `applied` (one element, nullptr: no guess) is where the
-// forward records the factor it used, for that backward.
+// The forward's guess at grad_output (the protocol: grad_output_guess.cuh).
 struct GradOutputGuess {
-  ScalarOut applied;
+  ScalarOut applied;  // one element: the factor the forward used, for backward; nullptr: no guess
 };
 
 // A pointwise loss over n elements of `dtype` (MSE, KL). Forward of a scalar reduction:
@@ -70,8 +66,8 @@ void mse_launch(const PointwiseCall& call, const LaunchContext& context);
 void kl_div_launch(const PointwiseCall& call, bool log_input, bool log_target, const LaunchContext& context);
 
 // In place: grad[0:n] *= *grad_output / applied (one element each, read on the GPU; applied
-// is the forward's GradOutputGuess::applied, 1 where its data is nullptr). Records
-// grad_output as the stream's next guess.
+// is the forward's GradOutputGuess::applied, 1 where its data is nullptr). The guess's
+// backward (grad_output_guess.cuh).
 void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
                                  const LaunchContext& context);
 
@@ -107,7 +103,7 @@ const char* cross_entropy_call_path(const CrossEntropyCall& call, int device);
 void set_forced_cross_entropy_path(const char* path);
 
 // A chunk of classes of every row: (rows, width) logits, contiguous, classes [class_start,
-// class_start + width) of `classes` (chunked_cross_entropy.cu has the math).
+// class_start + width) of `classes` (row_passes.cu has the math).
 struct LogitChunkCall {
   DType dtype;
   int64_t rows, width, class_start, classes;

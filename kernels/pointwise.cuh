@@ -4,6 +4,7 @@
 
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"
 #include "launch.cuh"
 
 namespace fused_losses {
@@ -35,7 +36,7 @@ struct Needs {
 struct PointwiseArgs {
   int64_t n;
   double grad_scale;  // multiplies every gradient (1/n for 'mean', 1/batch for 'batchmean')
-  const double* guess_source;  // and so does this guess at grad_output, when set (grad_output_guess)
+  const double* guess_source;  // and so does this guess at grad_output, when set (grad_output_guess.cuh)
   ScalarOut guess_applied;
 };
 
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
 // loss, the elements' sum times call.scale is written there.
 template <typename Op>
 void launch_pointwise_loss(const PointwiseCall& call, const Op& op, const LaunchContext& context) {
-  if (call.n == 0) return;  // losses.py sends empty tensors to torch
+  if (call.n == 0) return;  // Python sends empty tensors to torch
   dispatch_dtype(call.dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int VEC = vec16<T>();

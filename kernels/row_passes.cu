@@ -1,10 +1,10 @@
-// chunked_cross_entropy.cu: cross-entropy over a chunk of the classes, [class_start,
+// row_passes.cu: the row-pass engine: cross-entropy over a chunk of the classes, [class_start,
 // class_start + width) of `classes`, of each row, in two passes: `stats` folds the chunk into
 // per-row running statistics; `gradient`, given every row's lse, writes the chunk's gradient.
-// What runs it (losses.py): linear_cross_entropy (linear_ce.py: chunks of logits that a
-// matrix product just wrote, and the gradient written over them), cross_entropy with a
-// softcap (whole rows), and vocabulary-parallel cross_entropy (this rank's shard, the
-// statistics combined across ranks between the passes).
+// What runs it (row_passes.py): linear_cross_entropy (chunks of logits that a matrix
+// product just wrote, and the gradient written over them), cross_entropy with a softcap
+// (whole rows), and vocabulary-parallel cross_entropy (this rank's shard, the statistics
+// combined across ranks between the passes).
 //
 // With softcap s the logits are z' = s tanh(z / s) (Gemma 2), and dz'/dz = 1 - (z'/s)^2.
 //   stats:    (5, rows) in the accumulation type: running max m, sum s of exp(z' - m), the
@@ -23,6 +23,7 @@
 
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"  // scale_by_grad_output_launch, which every build binds
 #include "launch.cuh"
 
 namespace fused_losses {
@@ -212,8 +213,8 @@ void launch_logit_chunk(const LogitChunkCall& call, const LaunchContext& context
   });
 }
 
-// Host entry points (ops.h; entry_points.h's chunked_cross_entropy_forward and
-// chunked_cross_entropy_backward call them).
+// Host entry points (ops.h; entry_points.h's row_passes_forward and row_passes_backward
+// call them).
 
 void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context) {
   launch_logit_chunk(call, context, [](auto tag, auto vec) {

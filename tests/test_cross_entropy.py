@@ -170,7 +170,7 @@ SHAPES = {
 
 
 def path_of(logits, target, reduction="mean", grad=False, lse=False, label_smoothing=0.0):
-    """The kernel path (kernels/cross_entropy_launch.cuh) of a call with 2-D logits."""
+    """The kernel path (kernels/cross_entropy/launch_policy.cuh) of a call with 2-D logits."""
     return loader.load_for_device("cross_entropy", logits.device, logits.dtype).cross_entropy_path(
         logits, target, None, IGNORE, loss_helpers.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, grad,
         False, lse, False, False)

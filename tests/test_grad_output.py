@@ -128,7 +128,7 @@ def test_gradient_becomes_grad_without_a_copy(name):
 
 
 # ----------------------------------------------------------------------------------
-# The forward's guess at grad_output (kernels/ops.h, GradOutputGuess): the last one this
+# The forward's guess at grad_output (kernels/grad_output_guess.cuh): the last one this
 # loss's backward saw on the stream, which spares backward a pass over the gradient when
 # it comes true ((loss / 8).backward(), a GradScaler). Right or wrong, the gradient is torch's.
 
@@ -142,7 +142,7 @@ def recorded_guess(loss: torch.Tensor) -> float:
 
 
 def usable_guess(grad_output: float, dtype: torch.dtype) -> float:
-    """kernels/finish.cuh, grad_output_guess: what a forward takes from the last grad_output."""
+    """kernels/grad_output_guess.cuh, grad_output_guess: what a forward takes from the last grad_output."""
     mantissa, exponent = math.frexp(abs(grad_output))
     return grad_output if dtype != torch.float16 and mantissa == 0.5 and -23 <= exponent <= 25 else 1.0
 

@@ -65,13 +65,14 @@ TORCH_REQUIRES_CUDA_12 = ['nvidia-cuda-runtime-cu12==12.4.127; platform_system =
 # ----------------------------------------------------------------------------------
 # What a build is.
 
-SHARED_HEADERS = {"device.cuh", "launch.cuh", "finish.cuh", "ops.h", "entry_points.h", "autograd_node.h"}
+SHARED_HEADERS = {"device.cuh", "launch.cuh", "finish.cuh", "grad_output_guess.cuh", "ops.h", "entry_points.h",
+                  "autograd_node.h"}
 KERNEL_HEADERS = {
-    "chunked_cross_entropy": set(),
     "mse": {"pointwise.cuh"},
     "kl_div": {"pointwise.cuh"},
-    "cross_entropy": {"sm90.cuh", "cross_entropy_row.cuh", "cross_entropy_rows.cuh", "cross_entropy_pipelined.cuh",
-                      "cross_entropy_launch.cuh"},
+    "cross_entropy": {"sm90.cuh", "cross_entropy/row_math.cuh", "cross_entropy/row_kernels.cuh",
+                      "cross_entropy/pipelined_kernel.cuh", "cross_entropy/launch_policy.cuh"},
+    "row_passes": set(),
 }
 
 

@@ -1,11 +1,12 @@
-// cross_entropy_pipelined.cuh: sm_90's pipelined rows: long rows' gradients, the rows
-// brought into shared memory by the copy engine, split among a cluster of blocks.
+// cross_entropy/pipelined_kernel.cuh: cross_entropy_pipelined_kernel, sm_90's pipelined
+// rows: long rows' gradients, the rows brought into shared memory by the copy engine,
+// split among a cluster of blocks.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
-#include "cross_entropy_row.cuh"
+#include "cross_entropy/row_math.cuh"
 #include "device.cuh"
 #include "finish.cuh"
 #include "launch.cuh"

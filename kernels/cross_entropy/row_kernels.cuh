@@ -1,10 +1,10 @@
-// cross_entropy_rows.cuh: rows in registers and streamed rows (cross_entropy_kernel),
-// by a block per row, or without a gradient by a warp per row.
+// cross_entropy/row_kernels.cuh: cross_entropy_kernel, every path but sm_90's: rows in
+// registers and streamed rows, by a block per row, or without a gradient by a warp per row.
 #pragma once
 
 #include <cstdint>
 
-#include "cross_entropy_row.cuh"
+#include "cross_entropy/row_math.cuh"
 #include "device.cuh"
 #include "finish.cuh"
 #include "launch.cuh"

@@ -1,4 +1,4 @@
-// cross_entropy_row.cuh: the math of one cross-entropy row, shared by every row kernel:
+// cross_entropy/row_math.cuh: the math of one cross-entropy row, shared by every row kernel:
 // running max and sum, class sums, where a row's packs lie, its target, its loss and its
 // gradient's coefficients (finish_row), the kernels' parameters, and the targets counted
 // for 'mean'. The formulas are cross_entropy.cu's header.
@@ -9,6 +9,7 @@
 
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"
 
 namespace fused_losses {
 
@@ -342,7 +343,7 @@ struct CrossEntropyParams {
   // gridDim.x), after its rows.
   sum_t* divisors_by_blocks;
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
-  const double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess), or nullptr
+  const double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess.cuh), or nullptr
   ScalarOut guess_applied;     // where the factor used is recorded, or nullptr
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'

@@ -1,5 +1,6 @@
-// cross_entropy_launch.cuh: the cross-entropy launch policy: which kernel takes a call
-// and with what launch shape, and the launch itself (launch_cross_entropy).
+// cross_entropy/launch_policy.cuh: which kernel takes a cross-entropy call (its path,
+// a table read top to bottom: choose_cross_entropy_path), with what launch shape, and the
+// launch itself (launch_cross_entropy).
 #pragma once
 
 #include <algorithm>
@@ -9,11 +10,12 @@
 #include <type_traits>
 #include <utility>
 
-#include "cross_entropy_pipelined.cuh"
-#include "cross_entropy_row.cuh"
-#include "cross_entropy_rows.cuh"
+#include "cross_entropy/pipelined_kernel.cuh"
+#include "cross_entropy/row_kernels.cuh"
+#include "cross_entropy/row_math.cuh"
 #include "device.cuh"
 #include "finish.cuh"
+#include "grad_output_guess.cuh"
 #include "launch.cuh"
 
 namespace fused_losses {

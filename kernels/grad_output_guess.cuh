@@ -1,0 +1,106 @@
+// grad_output_guess.cuh: the forward's guess at grad_output, and the backward that
+// divides it out. The whole protocol, in one place:
+//
+// Why: a scalar loss's forward writes its gradients as it reads the inputs, and backward
+// then only scales them by grad_output. Where grad_output is known in advance (it repeats
+// from step to step: (loss / 8).backward(), a GradScaler's scale) that pass goes too.
+//   Writer: the forward kernel multiplies the gradients it writes by the guess
+//     (grad_output_guess) and records the factor it used in the slot beside the 0-dim
+//     loss (GradOutputGuess::applied in ops.h; entry_points.h's guess_slot).
+//   Reader: backward, in the eager C++ autograd node (autograd_node.h), multiplies the
+//     saved gradients by grad_output / that factor, read on the GPU, no host sync
+//     (scale_by_grad_output_launch): no work at all when the guess came true.
+//   Source: the last grad_output this build's backward saw on the stream, which that
+//     backward records (StreamState::grad_output in finish.cuh; 0, no guess, until then).
+// Off (the factor is 1, and backward scales by grad_output as it comes): no gradient;
+// reduction 'none'; float16, whose range the guess could leave; a value that is not a
+// power of two within 2^-24..2^24 (scaling by one commutes with every rounding, so the
+// gradient's bits never depend on the guess); a stream being captured into a CUDA graph
+// (it may be replayed on another stream) or cudaStreamPerThread; and whenever Python does
+// not ask for it. Python decides (loss_helpers.py): the forward ops' guess_grad_output is
+// True on the eager path alone, whose backward is the C++ node; every autograd.Function
+// (reduction 'none', torch.compile) passes False, and its backward takes grad_output as it
+// comes.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "device.cuh"
+#include "finish.cuh"
+#include "launch.cuh"
+#include "ops.h"
+
+namespace fused_losses {
+
+// ---------------------------------------------------------------------------------
+// Forward: the guess.
+
+// The factor a forward multiplies its gradients by (after wait_for_previous_kernel): the
+// guess at `source` where usable, else 1. Block 0's thread 0 records it in `applied`.
+template <typename T>
+__device__ __forceinline__ double grad_output_guess(const double* source, ScalarOut applied) {
+  const double guess = source != nullptr && !std::is_same<T, c10::Half>::value ? *source : 1.0;
+  int exponent = 0;
+  const bool power_of_two = frexp(fabs(guess), &exponent) == 0.5 && exponent >= -23 && exponent <= 25;  // NaN: no
+  const double usable = power_of_two ? guess : 1.0;
+  if (applied.data != nullptr && blockIdx.x == 0 && threadIdx.x == 0) store_scalar(applied, usable);
+  return usable;
+}
+
+// Where a forward that guesses (call.guess.applied set) reads its guess: nullptr for none.
+inline const double* grad_output_guess_source(const GradOutputGuess& guess, const LaunchContext& context) {
+  if (guess.applied.data == nullptr) return nullptr;
+  StreamState* state = stream_state(context.device, context.stream);
+  return state != nullptr ? &state->grad_output : nullptr;
+}
+
+// ---------------------------------------------------------------------------------
+// Backward: grad *= grad_output / applied in place, both read on the device; every block
+// returns without touching memory when they are equal. grad_output becomes the stream's
+// next guess (`guess`, nullptr: none kept).
+
+template <typename T, int VEC>
+__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output, ScalarOut applied,
+                                            double* guess) {
+  using acc_t = acc_type<T>;
+  wait_for_previous_kernel();
+  const double wanted = static_cast<double>(static_cast<acc_t>(*grad_output));
+  if (guess != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *guess = wanted;
+  const double had = applied.data != nullptr ? load_scalar(applied) : 1.0;
+  if (wanted == had) return;
+  const acc_t scale = static_cast<acc_t>(wanted / had);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t num_packs = n / VEC;
+  for (int64_t p = first; p < num_packs; p += stride) {
+    Pack<T, VEC> pack = load_pack<T, VEC>(grad + p * VEC);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) pack.val[k] = static_cast<T>(static_cast<acc_t>(pack.val[k]) * scale);
+    store_pack<T, VEC>(grad + p * VEC, pack);
+  }
+  for (int64_t i = num_packs * VEC + first; i < n; i += stride) {
+    grad[i] = static_cast<T>(static_cast<acc_t>(grad[i]) * scale);
+  }
+}
+
+// Not inline: the bindings call it from another translation unit (ops.h); each build
+// compiles this header once.
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
+                                 const LaunchContext& context) {
+  if (n == 0) return;
+  StreamState* state = stream_state(context.device, context.stream);
+  double* guess = state != nullptr ? &state->grad_output : nullptr;
+  const int threads = 256;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int VEC = vec16<T>();
+    const bool vector_ok = is_aligned16(grad);
+    auto kernel = vector_ok ? scale_by_grad_output_kernel<T, VEC> : scale_by_grad_output_kernel<T, 1>;
+    const int64_t grid = grid_for(kernel, vector_ok ? n / VEC + 1 : n, threads, context.device);
+    launch_kernel(kernel, grid, threads, 0, 1, context.device, context.stream, static_cast<T*>(grad), n,
+                  static_cast<const T*>(grad_output), applied, guess);
+  });
+}
+
+}  // namespace fused_losses
