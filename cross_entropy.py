@@ -2,7 +2,7 @@
 in-place backward, softcap and a vocabulary split over a process group.
 
 One stack, top to bottom: cross_entropy() checks its arguments and picks one path
-(_choose_path), then
+(choose_path), then
 - "fused": kernels/cross_entropy.cu, eagerly with the C++ autograd node, or through
   _CrossEntropyFunction (reduction 'none', torch.compile);
 - "row_passes": softcap with class indices, on the row-pass engine (row_passes.py);
@@ -48,8 +48,8 @@ def _forward_fake(*args):
     return loss, grad_logits, grad_target, lse
 
 
-def _backward_fake(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
-                                 want_grad_logits, want_grad_target):
+def _backward_fake(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output, want_grad_logits,
+                   want_grad_target):
     return (logits.new_empty(logits.shape if want_grad_logits else (0,)),
             logits.new_empty(logits.shape if want_grad_target else (0,)))
 
@@ -131,8 +131,8 @@ def _formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_los
 
 
 def _gradient_graph(options, input, target, grad_output):
-    """For the eager node under create_graph=True, as _pointwise_gradient_graph: options
-    holds the (C,) weight, no other tensor."""
+    """For the eager node under create_graph=True, as pointwise_loss's: options holds the
+    (C,) weight, no other tensor."""
     weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, dtypes, wants = options
     probs = target.is_floating_point()
     operands = _rows(input.to(dtypes[0]), target.to(dtypes[1]) if probs else target, probs)

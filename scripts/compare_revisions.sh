@@ -5,8 +5,8 @@
 # rounds shows up as the spread of one version's numbers. Every version runs the working
 # tree's bench.py.
 #   scripts/compare_revisions.sh CASES ROUNDS REV...     e.g. ce-,kl-16384 2 HEAD~1
-# A REV that is a .patch file stands for the working tree with that patch applied (no git
-# needed). The working tree is always the last version ("work"). Other REVs resolve in this
+# A REV that is a .patch file stands for the working tree with that patch applied, and one
+# that is a directory for the tree in it (no git needed). The working tree is always the last version ("work"). Other REVs resolve in this
 # checkout's .git, which on a copied tree can be older than the files (the device tool's
 # copy had the session's first HEAD): what each stands for is printed first.
 set -uo pipefail
@@ -21,6 +21,9 @@ for rev in "$@"; do
   if [[ $rev == *.patch ]]; then
     name=$(basename "$rev" .patch)
     copy_working_tree "$scratch/$name" && (cd "$scratch/$name" && git apply) < "$rev" || exit 1
+  elif [[ -d $rev ]]; then
+    name=$(basename "$rev")
+    mkdir -p "$scratch/$name" && cp -r "$rev"/. "$scratch/$name/" && cp bench.py "$scratch/$name/" || exit 1
   else
     name=$rev
     echo "$rev: $(git log -1 --format='%h %s' "$rev")"

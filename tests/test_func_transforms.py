@@ -49,8 +49,8 @@ def check_transforms_match_torch(device):
         x = torch.randn(ROWS, CLASSES, dtype=torch.float64, device=device)
         for transform_name, transform in TRANSFORMS.items():
             got, expected = transform(ours, x), transform(theirs, x)
-            for got_part, expected_part in zip(torch.utils._pytree.tree_leaves(got),
-                                               torch.utils._pytree.tree_leaves(expected)):
+            for got_part, expected_part in zip(torch.utils._pytree.tree_flatten(got)[0],
+                                               torch.utils._pytree.tree_flatten(expected)[0]):
                 torch.testing.assert_close(got_part, expected_part, rtol=1e-10, atol=1e-12,
                                            msg=lambda message: f"{name} under {transform_name}: {message}")
 
