@@ -82,19 +82,17 @@ def _check_class_ids(logits, start, local) -> None:
 
 
 def _all_reduce_sums(local_sums, group, start, local, vocab):
-    """All-reduce 2 (SUM): the rows' sums (a list of (rows,) tensors) and every rank's first
-    class and width (this rank's slots). Returns (the sums' columns, whether the shards tile
-    [0, V), on the device)."""
+    """All-reduce 2 (SUM): the rows' sums (k, rows) and every rank's first class and width (this
+    rank's slots). Returns (the group's sums, whether the shards tile [0, V), on the device)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rows = local_sums[0].shape[0]
-    layout = torch.zeros(2 * world, dtype=local_sums[0].dtype)
+    layout = torch.zeros(2 * world, dtype=local_sums.dtype)
     layout[2 * rank], layout[2 * rank + 1] = start, local
-    sums = torch.cat([torch.stack(local_sums, 1).reshape(-1), layout.to(local_sums[0].device)])
+    sums = torch.cat([local_sums.reshape(-1), layout.to(local_sums.device)])
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    layout = sums[rows * len(local_sums):]
+    layout = sums[local_sums.numel():]
     tiled = _shards_tile(layout, vocab)
     _check_layout(group, local, start, layout, vocab, tiled)
-    return sums[:rows * len(local_sums)].reshape(rows, len(local_sums)).unbind(1), tiled
+    return sums[:local_sums.numel()].view_as(local_sums), tiled
 
 
 class Shards:
@@ -117,13 +115,15 @@ class Shards:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         row_max, vocab = maxima[:rows], maxima[rows]
         to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
-        # All-reduce 2 (SUM): the sums, and the target logit, which only its owner holds (0 elsewhere).
-        (exp_sum, target_logit, logit_sum, others), tiled = _all_reduce_sums(
-            [stats[1] * to_global, stats[2], stats[3], stats[4] * to_global], self.group, self.start, self.local,
-            vocab)
+        # All-reduce 2 (SUM): the other rows, the exp sums (rows 1 and 4) taken to the global max;
+        # the target's terms only its owner holds (0 elsewhere).
+        sums = stats[1:].clone()
+        sums[0] *= to_global
+        sums[3] *= to_global
+        sums, tiled = _all_reduce_sums(sums, self.group, self.start, self.local, vocab)
         # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
-        exp_sum = torch.where(tiled, exp_sum, torch.nan)
-        return torch.stack([row_max, exp_sum, target_logit, logit_sum, others]), vocab
+        sums[0] = torch.where(tiled, sums[0], torch.nan)
+        return torch.cat([row_max[None], sums]), vocab
 
     def sum_over_group(self, tensor: torch.Tensor) -> None:
         """In place: the sum of `tensor` over the group (input's gradient, to which every rank's classes add)."""
@@ -161,7 +161,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit = torch.where(owned, x.gather(1, index[:, None])[:, 0], 0.0)
             target_weight = torch.where(owned, w[index], 0.0)
             local_sums = [e.sum(1), target_logit, target_weight, owned.to(acc), w.sum().expand(rows), (w * x).sum(1)]
-        columns, tiled = _all_reduce_sums(local_sums, group, start, local, vocab)
+        columns, tiled = _all_reduce_sums(torch.stack(local_sums), group, start, local, vocab)
         # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
         lse = torch.where(tiled, row_max + columns[0].log(), float("nan"))
         weights_sum, weighted_logits = columns[-2], columns[-1]  # sum_c w_c, sum_c w_c x_c
@@ -230,7 +230,7 @@ def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_lo
     """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
     shards = Shards(group, logits.shape[1], vocab_start, logits)
     if uses_row_passes(target, weight):
-        loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), (
+        loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), None, (
             ignore_index, label_smoothing, z_loss, softcap or 0.0, reduction, shards))
         return loss.to(torch.float32 if float_loss else logits.dtype), lse
     if softcap is not None:
