@@ -290,7 +290,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         helpers.check_fallback_allowed("cross_entropy", why_not, input)
         return reference_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                        return_lse, softcap)
-    if path == "process_group" and input.is_cuda and not vocab_parallel.uses_row_passes(target, weight):
+    if path == "process_group" and input.is_cuda and not row_passes.uses_kernels(target, weight):
         helpers.check_fallback_allowed("cross_entropy", "process_group with class weights or probabilities runs "
                                        "torch ops", input)
     probs = target.is_floating_point()
