@@ -145,13 +145,13 @@ class RowPassCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, weight, options):
         ignore_index, label_smoothing, z_loss, softcap, reduction, shards = options
         start = 0 if shards is None else shards.start
-        ctx.kernels = uses_kernels(target, weight)
+        ctx.weighted = not uses_kernels(target, weight)  # class weights or probabilities: the torch twin's rows
         stats = new_stats(logits.shape[0], logits.dtype, logits.device,
-                          STAT_ROWS if ctx.kernels else WEIGHTED_STAT_ROWS)
+                          WEIGHTED_STAT_ROWS if ctx.weighted else STAT_ROWS)
         fold_stats(logits, target, start, start + logits.shape[1], stats, softcap, weight)
         stats, classes = combine(stats, logits.shape[1], shards)
         ctx.options = options
-        if ctx.kernels:
+        if not ctx.weighted:
             loss, softmax_stats, count = finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
             save_for_backward(ctx, (logits, target, softmax_stats, count), classes)
             return forward_outputs(ctx, reduce_loss(loss, count, reduction), lse_of(softmax_stats))
@@ -166,7 +166,7 @@ class RowPassCrossEntropy(torch.autograd.Function):
         ignore_index, label_smoothing, z_loss, softcap, reduction, shards = ctx.options
         helpers.no_second_derivative("cross_entropy with " + ("process_group" if shards else "softcap"))
         start = 0 if shards is None else shards.start
-        if not ctx.kernels:
+        if ctx.weighted:
             logits, target, weight, stats, *divisors, classes = saved_tensors(ctx)
             ce_scale, z_scale = (row_scales(grad_output, target, divisor, ignore_index, classes, reduction, stats.dtype)
                                  for divisor in divisors)
