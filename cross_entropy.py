@@ -192,7 +192,7 @@ def choose_path(input, target, weight, softcap=None, process_group=None) -> tupl
         return "process_group", None
     why_not = _fusable(input, target, weight)
     if why_not is None and softcap is not None:
-        if not (target.is_floating_point() or weight is not None):
+        if row_passes.uses_kernels(target, weight):
             return "row_passes", None
         why_not = "softcap with class weights or probabilities (its kernels take class indices alone)"
     return ("fused", None) if why_not is None else ("torch", why_not)
@@ -290,7 +290,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         helpers.check_fallback_allowed("cross_entropy", why_not, input)
         return reference_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                        return_lse, softcap)
-    if path == "process_group" and input.is_cuda and not vocab_parallel.uses_row_passes(target, weight):
+    if path == "process_group" and input.is_cuda and not row_passes.uses_kernels(target, weight):
         helpers.check_fallback_allowed("cross_entropy", "process_group with class weights or probabilities runs "
                                        "torch ops", input)
     probs = target.is_floating_point()
@@ -304,7 +304,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
                                                       vocab_start)
     elif path == "row_passes":
         loss, lse = row_passes.RowPassCrossEntropy.apply(
-            logits.contiguous(), rows_target.contiguous(),
+            logits.contiguous(), rows_target.contiguous(), None,
             (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap), reduction, None))
         # Cast outside the Function: see linear_cross_entropy.LinearCrossEntropyFunction.
         loss = loss.to(torch.float32 if float_loss else input.dtype)

@@ -191,7 +191,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss, softmax_stats, count, classes = loss_pass(x, weight, bias, target, *options)
         ctx.options = options
         row_passes.save_for_backward(ctx, (x, weight, bias, target, softmax_stats, count), classes)
-        return row_passes.forward_outputs(ctx, loss, softmax_stats)
+        return row_passes.forward_outputs(ctx, loss, row_passes.lse_of(softmax_stats))
 
     @staticmethod
     def backward(ctx, grad_output, _):

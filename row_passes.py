@@ -1,14 +1,14 @@
-"""The row-pass engine: cross-entropy of class-index targets over a chunk of classes of every
-row at a time, in two passes (kernels/row_passes.cu on CUDA; the same math in torch ops,
-its one twin, elsewhere).
+"""The row-pass engine: cross-entropy over a chunk of classes of every row at a time, in two
+passes: kernels/row_passes.cu on CUDA for class indices without class weights; the same math in
+torch ops, its one twin, elsewhere and for class weights or probability targets (on every device).
 
 fold_stats folds a chunk into each row's running statistics (max, sum of exp, target logit,
 logit sum, sum of exp over the other classes, in float32; float64 for float64), from which
 finish_loss gives the loss and the softmax's statistics; write_gradient, given those and each
 row's scale, writes the chunk's gradient. Three schedules run them:
 - RowPassCrossEntropy (here): whole (rows, C) logits, for cross_entropy with softcap, and a
-  vocabulary shard's logits (vocab_parallel.py), whose statistics are combined across the
-  group between the passes (its Shards object);
+  vocabulary shard's logits (vocab_parallel.py; with class weights or probabilities too), whose
+  statistics are combined across the group between the passes (its Shards object);
 - linear_cross_entropy.py: chunks of logits that a matrix product just wrote, recomputed in
   backward and turned into their gradient in place.
 """
@@ -24,21 +24,28 @@ else:
 _COMPILE_LIBRARY = helpers.define_compile_ops("row_passes", {"forward": helpers.no_outputs_fake,
                                                              "backward": helpers.no_outputs_fake})
 STAT_ROWS = 5  # max, sum of exp, target logit, logit sum, sum of exp over the other classes
+WEIGHTED_STAT_ROWS = 7  # the torch twin's, for class weights or probabilities (the rows: above _weighted_targets)
 
 
-def new_stats(rows: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Running statistics of no class yet, for logits of `dtype`: (STAT_ROWS, rows)."""
-    stats = torch.zeros(STAT_ROWS, rows, dtype=helpers.accumulation_dtype(dtype), device=device)
+def uses_kernels(target, weight) -> bool:
+    """Class indices without class weights: the kernels' statistics (on CUDA)."""
+    return not target.is_floating_point() and weight is None
+
+
+def new_stats(rows: int, dtype: torch.dtype, device, stat_rows: int = STAT_ROWS) -> torch.Tensor:
+    """Running statistics of no class yet, for logits of `dtype`: (stat_rows, rows)."""
+    stats = torch.zeros(stat_rows, rows, dtype=helpers.accumulation_dtype(dtype), device=device)
     stats[0] = -torch.inf
     return stats
 
 
-def fold_stats(z, target, start: int, classes: int, stats, softcap: float) -> None:
-    """Folds z (rows, width), classes [start, start + width) of `classes`, into stats."""
-    if z.is_cuda:
+def fold_stats(z, target, start: int, classes: int, stats, softcap: float, weight=None) -> None:
+    """Folds z (rows, width), classes [start, start + width) of `classes`, into stats (their
+    weighted rows where stats has WEIGHTED_STAT_ROWS, with weight (width,) or None)."""
+    if z.is_cuda and len(stats) == STAT_ROWS:
         helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap)
     else:
-        _stats_torch(z, target, start, stats, softcap)
+        _stats_torch(z, target, start, stats, softcap, weight)
 
 
 def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: float, z_loss: float):
@@ -59,9 +66,13 @@ def finish(stats, target, ignore_index: int, classes: int, label_smoothing: floa
     """finish_loss of this call's statistics, combined with the group's first where the classes
     are sharded (shards: vocab_parallel.Shards, else None). Returns (per-row loss, softmax_stats,
     count, the number of classes: an int, or a 0-dim tensor where only the device knows it)."""
-    if shards is not None:
-        stats, classes = shards.combine(stats)
+    stats, classes = combine(stats, classes, shards)
     return (*finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss), classes)
+
+
+def combine(stats, classes: int, shards):
+    """(stats, classes) combined with the group's where the classes are sharded; see finish."""
+    return (stats, classes) if shards is None else shards.combine(stats)
 
 
 def lse_of(softmax_stats):
@@ -115,76 +126,103 @@ def saved_tensors(ctx):
     return ctx.saved_tensors if ctx.classes is None else (*ctx.saved_tensors, ctx.classes)
 
 
-def forward_outputs(ctx, loss, softmax_stats):
+def forward_outputs(ctx, loss, lse):
     """The end of every row-pass Function's forward: (loss, lse), the lse without gradient
     (backward gets grad_output alone, None if unused)."""
-    lse = lse_of(softmax_stats)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     return loss, lse
 
 
 class RowPassCrossEntropy(torch.autograd.Function):
-    """Class-index cross-entropy of whole (rows, C) logits, classes [start, start + C): the
-    statistics, then the gradient in backward from the saved logits and lse. options:
-    (ignore_index, label_smoothing, z_loss, softcap or 0, reduction, shards), shards a
-    vocab_parallel.Shards (the logits are this rank's shard) or None. Returns (loss, lse) in
-    the accumulation type."""
+    """Cross-entropy of whole (rows, C) logits, classes [start, start + C): the statistics, then
+    the gradient in backward from the saved logits and statistics. target: class indices, or (rows, C)
+    probabilities; weight: (C,) or None. options: (ignore_index, label_smoothing, z_loss, softcap
+    or 0 (class indices without weight only), reduction, shards), shards a vocab_parallel.Shards
+    (the logits are this rank's shard) or None. Returns (loss, lse) in the accumulation type."""
 
     @staticmethod
-    def forward(ctx, logits, target, options):
+    def forward(ctx, logits, target, weight, options):
         ignore_index, label_smoothing, z_loss, softcap, reduction, shards = options
         start = 0 if shards is None else shards.start
-        stats = new_stats(logits.shape[0], logits.dtype, logits.device)
-        fold_stats(logits, target, start, start + logits.shape[1], stats, softcap)
-        loss, softmax_stats, count, classes = finish(stats, target, ignore_index, logits.shape[1], label_smoothing,
-                                                     z_loss, shards)
+        ctx.weighted = not uses_kernels(target, weight)  # class weights or probabilities: the torch twin's rows
+        stats = new_stats(logits.shape[0], logits.dtype, logits.device,
+                          WEIGHTED_STAT_ROWS if ctx.weighted else STAT_ROWS)
+        fold_stats(logits, target, start, start + logits.shape[1], stats, softcap, weight)
+        stats, classes = combine(stats, logits.shape[1], shards)
         ctx.options = options
-        save_for_backward(ctx, (logits, target, softmax_stats, count), classes)
-        return forward_outputs(ctx, reduce_loss(loss, count, reduction), softmax_stats)
+        if not ctx.weighted:
+            loss, softmax_stats, count = finish_loss(stats, target, ignore_index, classes, label_smoothing, z_loss)
+            save_for_backward(ctx, (logits, target, softmax_stats, count), classes)
+            return forward_outputs(ctx, reduce_loss(loss, count, reduction), lse_of(softmax_stats))
+        loss, lse, divisors = _weighted_loss(stats, target, ignore_index, classes, label_smoothing, z_loss, reduction)
+        save_for_backward(ctx, (logits, target, weight, stats, *divisors), classes)
+        return forward_outputs(ctx, loss, lse)
 
     @staticmethod
     def backward(ctx, grad_output, _):
         if grad_output is None:
-            return None, None, None
+            return None, None, None, None
         ignore_index, label_smoothing, z_loss, softcap, reduction, shards = ctx.options
         helpers.no_second_derivative("cross_entropy with " + ("process_group" if shards else "softcap"))
-        logits, target, softmax_stats, count, classes = saved_tensors(ctx)
         start = 0 if shards is None else shards.start
+        if ctx.weighted:
+            logits, target, weight, stats, *divisors, classes = saved_tensors(ctx)
+            ce_scale, z_scale = (row_scales(grad_output, target, divisor, ignore_index, classes, reduction, stats.dtype)
+                                 for divisor in divisors)
+            grad, grad_target = _weighted_gradient(logits, target, weight, start, classes, stats, ce_scale, z_scale,
+                                                   label_smoothing, z_loss)
+            return grad.to(logits.dtype), None if grad_target is None else grad_target.to(target.dtype), None, None
+        logits, target, softmax_stats, count, classes = saved_tensors(ctx)
         row_scale = row_scales(grad_output, target, count, ignore_index, classes, reduction, softmax_stats.dtype)
         grad = torch.empty_like(logits)
         write_gradient(logits, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss,
                        softcap)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def _row_counts(target, ignore_index, classes):
+    if target.is_floating_point():  # probabilities: every row counts
+        counted = torch.ones(target.shape[0], dtype=torch.bool, device=target.device)
+        return counted, ~counted
     counted = target != ignore_index
     return counted, counted & ((target < 0) | (target >= classes))  # outside [0, V): NaN, as cross_entropy's kernels
 
 
 # ----------------------------------------------------------------------------------
-# The same math in torch ops, for devices without the kernels.
+# The same math in torch ops: for devices without the kernels, and for what they do not take,
+# class weights and probability targets.
 
 def _capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(z / softcap).mul_(softcap) if softcap else z
 
 
-def _stats_torch(z, target, start, stats, softcap):
+def _target_slot(target, start: int, width: int):
+    """Whether each row's class falls in [start, start + width), and its column there (clamped), (rows, 1)."""
+    index = target - start
+    return (index >= 0) & (index < width), index.clamp(0, width - 1).long()[:, None]
+
+
+def _stats_torch(z, target, start, stats, softcap, weight):
     z = _capped(z.to(stats.dtype), softcap)
     run_max = stats[0]
     chunk_max = z.amax(1)
     e = torch.where(chunk_max[:, None] == -torch.inf, 0.0, torch.exp(z - chunk_max[:, None]))
-    index = target - start
-    inside = (index >= 0) & (index < z.shape[1])
-    at_target = index.clamp(0, z.shape[1] - 1).long()[:, None]
-    others = e.scatter(1, at_target, torch.where(inside[:, None], 0.0, e.gather(1, at_target))).sum(1)
     new_max = torch.maximum(run_max, chunk_max)
     old_scale = torch.where(run_max == new_max, 1.0, torch.exp(run_max - new_max))
     new_scale = torch.where(chunk_max == new_max, 1.0, torch.exp(chunk_max - new_max))
     stats[1] = stats[1] * old_scale + e.sum(1) * new_scale
-    stats[4] = stats[4] * old_scale + others * new_scale
     stats[0] = new_max
+    if len(stats) == WEIGHTED_STAT_ROWS:
+        w, wy = _weighted_targets(z, target, weight, start)
+        stats[2] += (wy * z).sum(1)
+        stats[3] += (w * z).sum(1)
+        stats[5] += wy.sum(1)
+        stats[6] += w.sum()
+        return
+    inside, at_target = _target_slot(target, start, z.shape[1])
+    others = e.scatter(1, at_target, torch.where(inside[:, None], 0.0, e.gather(1, at_target))).sum(1)
+    stats[4] = stats[4] * old_scale + others * new_scale
     stats[2] = torch.where(inside, z.gather(1, at_target)[:, 0], stats[2])
     stats[3] += z.sum(1)
 
@@ -194,9 +232,7 @@ def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, la
     p = torch.exp((capped - softmax_stats[0, :, None]) - softmax_stats[1, :, None])
     a = row_scale * (1 + 2 * z_loss * lse_of(softmax_stats))
     grad = p * a[:, None] - (row_scale * label_smoothing / classes)[:, None]
-    index = target - start
-    inside = (index >= 0) & (index < z.shape[1])
-    at_target = index.clamp(0, z.shape[1] - 1).long()[:, None]
+    inside, at_target = _target_slot(target, start, z.shape[1])
     # At the target a p - r (1 - eps) - b, with p - 1 given: r (p - 1) + (a - r) p + r eps - b.
     at = (row_scale * softmax_stats[2] + (a - row_scale) * p.gather(1, at_target)[:, 0] + row_scale * label_smoothing
           - row_scale * label_smoothing / classes)
@@ -205,3 +241,49 @@ def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, la
         q = 1 / (torch.exp(2 * (z.to(softmax_stats.dtype) / softcap).abs()) + 1)
         grad.mul_(4 * q * (1 - q))
     out.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
+
+
+# Class weights w (C,) and probability targets y (rows, C). With y' = (1 - eps) y + eps / V (y
+# one-hot for a class index) and a_c = w_c y'_c, a row's loss is S lse - sum_c a_c x_c, S = sum_c a_c;
+# its gradient p_c S - a_c (plus the z-loss's 2 z_loss lse p_c), and (1 - eps) w_c (lse - x_c) for y_c.
+# Their statistics add over shards: rows 2 and 3 weighted (sum w y x, sum w x), 4 unused, 5 sum w y, 6 sum w.
+
+def _weighted_targets(x, target, weight, start):
+    """(w, w y) over x's columns: w ones without class weights; y the probabilities, or the
+    one-hot of a class index that falls among the columns."""
+    w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
+    if target.is_floating_point():
+        return w, w * target.to(x.dtype)
+    inside, at_target = _target_slot(target, start, x.shape[1])
+    return w, torch.zeros_like(x).scatter_(1, at_target, inside.to(x.dtype)[:, None]) * w
+
+
+def _weighted_loss(stats, target, ignore_index, classes, label_smoothing, z_loss, reduction):
+    """(the loss reduced, lse, the divisors of 'mean': the ce's (the counted rows' target weight, as
+    torch's; the rows for probabilities) and the z-loss's (the counted rows))."""
+    lse = stats[0] + torch.log(stats[1])
+    counted, invalid = _row_counts(target, ignore_index, classes)
+    # S lse - sum_c a_c x_c, its two terms apart: each cancels less than the whole
+    ce = ((1 - label_smoothing) * (stats[5] * lse - stats[2])
+          + label_smoothing / classes * (stats[6] * lse - stats[3]))
+    ce = torch.where(invalid, torch.nan, torch.where(counted, ce, 0.0))
+    z = torch.where(counted, z_loss * lse.square(), 0.0)
+    count = counted.sum().to(lse.dtype)
+    ce_divisor = count if target.is_floating_point() else torch.where(counted, stats[5], 0.0).sum()
+    return reduce_loss(ce, ce_divisor, reduction) + reduce_loss(z, count, reduction), lse, (ce_divisor, count)
+
+
+def _weighted_gradient(x, target, weight, start, classes, stats, ce_scale, z_scale, label_smoothing, z_loss):
+    """(the gradient of x, of probability targets or None), in stats' dtype; the scales as row_scales'."""
+    x = x.to(stats.dtype)
+    log_sum = torch.log(stats[1])
+    lse = stats[0] + log_sum
+    p = torch.exp((x - stats[0, :, None]) - log_sum[:, None])
+    w, wy = _weighted_targets(x, target, weight, start)
+    a = (1 - label_smoothing) * wy + label_smoothing / classes * w
+    spread_weight = (1 - label_smoothing) * stats[5] + label_smoothing / classes * stats[6]  # S = sum_c a_c
+    grad = p * (ce_scale * spread_weight + 2 * z_loss * z_scale * lse)[:, None] - ce_scale[:, None] * a
+    grad = torch.where(ce_scale[:, None] == 0, 0.0, grad)  # an ignored row: 0, whatever its logits
+    if not target.is_floating_point():
+        return grad, None
+    return grad, (1 - label_smoothing) * ce_scale[:, None] * w * (lse[:, None] - x)
