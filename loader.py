@@ -389,6 +389,9 @@ def _build(name: str, dtype: str, arch: str, ext_name: str, build_dir: Path, sou
     # blocks; a build killed mid-way leaves it behind. We hold our own flock, so any
     # such file is stale.
     (build_dir / "lock").unlink(missing_ok=True)
+    # A build takes seconds to minutes: say so before it starts, not only after.
+    print(f"fused_losses: building {name} ({dtype}) for sm_{arch.replace('.', '')} ... (first use; cached after)",
+          file=sys.stderr, flush=True)
     started = time.perf_counter()
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if TORCH_READS_ARCH_LIST:
@@ -463,8 +466,8 @@ def load(name: str, dtype="float32", arch: str | None = None, verbose: bool = Fa
     """The ops of kernel `name` for inputs of `dtype` (a torch.dtype or its name) and
     `arch` (default: the current CUDA device's).
 
-    First use builds (one line on stderr says where and how long); later calls in the
-    process return the same module at once.
+    First use builds (a line on stderr as it starts, another with where and how long);
+    later calls in the process return the same module at once.
     """
     if arch is None:
         if not torch.cuda.is_available():

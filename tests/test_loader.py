@@ -161,6 +161,7 @@ def test_cpu_only_torch(monkeypatch, fresh_toolchain_check):
         loader.check_toolchain()
 
 
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
 def test_no_ninja(monkeypatch, fresh_toolchain_check):
     real_which = loader.shutil.which
     monkeypatch.setattr(loader.shutil, "which", lambda cmd: None if cmd == "ninja" else real_which(cmd))
