@@ -57,9 +57,18 @@ def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: floa
     softmax_stats = torch.stack([stats[0], torch.log(stats[1]), -stats[4] / stats[1]])
     lse = lse_of(softmax_stats)
     counted, invalid = _row_counts(target, ignore_index, classes)
-    ce = (1 - label_smoothing) * (lse - stats[2]) + label_smoothing * (lse - stats[3] / classes)
+    ce = (1 - label_smoothing) * _target_nll(stats, lse) + label_smoothing * (lse - stats[3] / classes)
     loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
     return loss, softmax_stats, counted.sum()
+
+
+def _target_nll(stats, lse):
+    """lse - z_t, which cancels on a confident row (z_t the max, the loss far below 1): there as
+    log1p(the other classes' exp sum / exp(z_t - max)), exact; where z_t is far below the max
+    (no cancellation, and that exp would overflow) as the difference."""
+    below_max = stats[0] - stats[2]
+    near = below_max < 30
+    return torch.where(near, torch.log1p(stats[4] * torch.exp(torch.where(near, below_max, 0.0))), lse - stats[2])
 
 
 def finish(stats, target, ignore_index: int, classes: int, label_smoothing: float, z_loss: float, shards):
