@@ -49,6 +49,27 @@ def chunk_width(rows: int, vocab: int, element_size: int) -> int:
     return max(1, min(max(width, MIN_CHUNK_CLASSES), vocab))
 
 
+# Input only (a frozen head): rows of every class a chunk, ROW_CHUNK_BYTES of logits, so each
+# row's lse is complete in the chunk and its d input written at once (2 matrix products).
+ROW_CHUNK_BYTES = 1 << 27
+ROW_ALIGN = 128  # rows a chunk: whole tiles for the matrix products
+
+
+def row_chunk_rows(vocab: int, element_size: int) -> int:
+    """Rows per chunk: ROW_CHUNK_BYTES of logits in whole ROW_ALIGN tiles, at least ROW_ALIGN."""
+    return max(ROW_CHUNK_BYTES // max(vocab * element_size, 1) // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
+
+
+def choose_schedule(wants, shards, compiling: bool) -> str:
+    """The one choice of schedule, from which gradients are wanted (input, weight, bias):
+    "input_in_forward": input's alone, written with the loss a chunk of rows at a time;
+    "vocabulary_chunks": otherwise (and with a process group or under torch.compile): the
+    statistics a chunk of classes at a time, every gradient from the logits recomputed in backward."""
+    if tuple(wants) == (True, False, False) and shards is None and not compiling:
+        return "input_in_forward"
+    return "vocabulary_chunks"
+
+
 def _chunks(weight, bias, width):
     for start in range(0, weight.shape[0], width):
         end = min(start + width, weight.shape[0])
@@ -106,6 +127,32 @@ def loss_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float
     loss, softmax_stats, count, classes = row_passes.finish(stats, target, ignore_index, weight.shape[0],
                                                             label_smoothing, z_loss, shards)
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, classes
+
+
+def input_gradient_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float,
+                        softcap: float, reduction: str):
+    """The "input_in_forward" schedule: (loss reduced, lse, input's gradient for a grad_output of 1),
+    a chunk of rows at a time: their logits, statistics and gradient (in place), then that
+    gradient times weight."""
+    rows, vocab = x.shape[0], weight.shape[0]
+    acc = helpers.accumulation_dtype(x.dtype)
+    count = (target != ignore_index).sum()
+    one = torch.ones((), dtype=acc, device=x.device)
+    loss, lse = torch.empty(rows, dtype=acc, device=x.device), torch.empty(rows, dtype=acc, device=x.device)
+    grad_x = torch.empty_like(x)
+    height = row_chunk_rows(vocab, x.element_size())
+    for first in range(0, rows, height):
+        end = min(first + height, rows)
+        z, t = F.linear(x[first:end], weight, bias), target[first:end]
+        stats = row_passes.new_stats(end - first, x.dtype, x.device)
+        row_passes.fold_stats(z, t, 0, vocab, stats, softcap)
+        loss[first:end], softmax_stats, _ = row_passes.finish_loss(stats, t, ignore_index, vocab, label_smoothing,
+                                                                   z_loss)
+        lse[first:end] = row_passes.lse_of(softmax_stats)
+        row_scale = row_passes.row_scales(one, t, count, ignore_index, vocab, reduction, acc)
+        row_passes.write_gradient(z, z, t, 0, vocab, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
+        torch.mm(z, weight, out=grad_x[first:end])
+    return row_passes.reduce_loss(loss, count, reduction), lse, grad_x
 
 
 def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ignore_index: int,
@@ -177,19 +224,24 @@ _COMPILE_LIBRARY = _define_compile_ops()  # the definitions last as long as the 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """(N, H) input, (V, H) weight, (V,) bias or None, (N,) class indices. Returns (loss, lse) in
     the accumulation type: loss 0-dim for 'mean' and 'sum', (N,) for 'none'; lse (N,) without
-    gradient. options: (ignore_index, label_smoothing, z_loss, softcap or 0, reduction, shards).
+    gradient. options: (ignore_index, label_smoothing, z_loss, softcap or 0, reduction, shards,
+    schedule: choose_schedule's).
     The caller casts the loss: a cast here that returns its input (float32) made torch.compile
     (torch 2.11) hand backward a grad_output of 0."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, options):
-        shards = options[-1]
+        *arguments, shards, schedule = options
+        ctx.options = options
+        if schedule == "input_in_forward":
+            loss, lse, grad_x = input_gradient_pass(x, weight, bias, target, *arguments)
+            ctx.save_for_backward(grad_x)
+            return row_passes.forward_outputs(ctx, loss, lse)
         if shards is None and helpers.is_compiling():
-            loss, softmax_stats, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *options[:-1])
+            loss, softmax_stats, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *arguments)
             classes = weight.shape[0]
         else:
-            loss, softmax_stats, count, classes = loss_pass(x, weight, bias, target, *options)
-        ctx.options = options
+            loss, softmax_stats, count, classes = loss_pass(x, weight, bias, target, *arguments, shards)
         row_passes.save_for_backward(ctx, (x, weight, bias, target, softmax_stats, count), classes)
         return row_passes.forward_outputs(ctx, loss, row_passes.lse_of(softmax_stats))
 
@@ -198,15 +250,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         helpers.no_second_derivative("linear_cross_entropy")
         if grad_output is None:
             return None, None, None, None, None
+        *arguments, shards, schedule = ctx.options
+        if schedule == "input_in_forward":  # written for a grad_output of 1: one pass over (N, H)
+            grad_x, = ctx.saved_tensors
+            scale = grad_output[:, None] if grad_output.dim() else grad_output
+            return grad_x * scale.to(grad_x.dtype), None, None, None, None
         x, weight, bias, target, softmax_stats, count, classes = row_passes.saved_tensors(ctx)
-        shards = ctx.options[-1]
         wants = list(ctx.needs_input_grad[:3])
         if shards is None and helpers.is_compiling():
             grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, softmax_stats, count,
-                                                                grad_output, *ctx.options[:-1], wants)
+                                                                grad_output, *arguments, wants)
             grads = [grad if want else None for grad, want in zip(grads, wants)]
         else:
-            grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *ctx.options[:-1], wants,
+            grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *arguments, wants,
                                   classes, shards)
         return (*grads, None, None)
 
@@ -271,8 +327,11 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
         rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
         shards = (None if process_group is None else
                   vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows))
+        wants = [helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias)]
+        schedule = choose_schedule(wants, shards, helpers.is_compiling())
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, (
-            int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards))
+            int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
+            schedule))
         loss = loss.to(torch.float32 if float_loss else input.dtype)
     if reduction == "none":
         loss = loss.reshape(target.shape)
