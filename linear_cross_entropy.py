@@ -13,6 +13,10 @@ the price of never holding them (the softmax's gradient needs every row's lse be
 Beyond the inputs and gradients a step holds one chunk of logits (CHUNK_BYTES) and, for inputs
 of 2 bytes, d input in float32 (N x H x 4 bytes).
 
+That is the "vocabulary_chunks" schedule. When input's gradient alone is wanted (a frozen head),
+choose_schedule picks "input_in_forward": a chunk of rows with every class (ROW_CHUNK_BYTES), whose
+lse is complete, so the forward writes the loss and d input at once: two products.
+
 With process_group (vocab_parallel.Shards) weight and bias are this rank's rows of the
 vocabulary: the statistics are combined across the group between the passes, and input's
 gradient is summed over it (one more all-reduce, of N x H, in backward).

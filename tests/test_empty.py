@@ -1,4 +1,4 @@
-"""Empty inputs give torch's results (losses.py hands them to torch on every device, a
+"""Empty inputs give torch's results (the loss modules hand them to torch on every device, a
 documented exception: there is nothing for a kernel to do). On CPU, so CI runs it; on a
 GPU the same torch call runs after the same argument checks."""
 import pytest
