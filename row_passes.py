@@ -42,6 +42,8 @@ def new_stats(rows: int, dtype: torch.dtype, device, stat_rows: int = STAT_ROWS)
 def fold_stats(z, target, start: int, classes: int, stats, softcap: float, weight=None) -> None:
     """Folds z (rows, width), classes [start, start + width) of `classes`, into stats (their
     weighted rows where stats has WEIGHTED_STAT_ROWS, with weight (width,) or None)."""
+    if z.shape[1] == 0:  # an empty shard of the classes adds nothing
+        return
     if z.is_cuda and len(stats) == STAT_ROWS:
         helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap)
     else:
@@ -109,6 +111,8 @@ def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scal
     """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself), given
     finish_loss's softmax_stats. classes: an int, or a 0-dim tensor of softmax_stats' dtype where only
     the device knows it."""
+    if z.shape[1] == 0:  # an empty shard: no gradient to write
+        return
     if not z.is_cuda:
         _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
         return
@@ -263,6 +267,8 @@ def _weighted_targets(x, target, weight, start):
     w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
     if target.is_floating_point():
         return w, w * target.to(x.dtype)
+    if x.shape[1] == 0:  # an empty shard holds no target
+        return w, torch.zeros_like(x)
     inside, at_target = _target_slot(target, start, x.shape[1])
     return w, torch.zeros_like(x).scatter_(1, at_target, inside.to(x.dtype)[:, None]) * w
 

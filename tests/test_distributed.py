@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 import cross_entropy
 import losses
@@ -169,6 +170,47 @@ def check_errors_and_edges(rank, group, device):
     loss = losses.cross_entropy(shard, target.clamp(max=9), process_group=group)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(loss, shard, create_graph=True)
+    check_empty_shard(rank, group, device)
+
+
+def check_empty_shard(rank, group, device):
+    """A shard of no classes is a valid layout: rank 0 holds none, rank 1 all ten. Each loss gives
+    the unsharded one, rank 1 the whole gradient, rank 0 an empty one."""
+    torch.manual_seed(12345)  # the same inputs on both ranks
+    logits, weight = torch.randn(4, 10, device=device), torch.rand(10, device=device) + 0.5
+    target = torch.tensor([1, 9, 3, -100], device=device)
+    probabilities = torch.randn(4, 10, device=device).softmax(1)
+    x, head, bias = torch.randn(4, 6, device=device), torch.randn(10, 6, device=device), torch.randn(10, device=device)
+    width = 0 if rank == 0 else 10
+    cases = {  # name: (ours of this rank's shards, torch's of the whole)
+        "class indices": (lambda z, *_: losses.cross_entropy(z, target, label_smoothing=0.1, z_loss=1e-2,
+                                                             process_group=group, vocab_start=0),
+                          lambda z: cross_entropy.reference_cross_entropy(z, target, None, -100, "mean", 0.1, 1e-2,
+                                                                          False)),
+        "class weights": (lambda z, w, *_: losses.cross_entropy(z, target, w, process_group=group, vocab_start=0),
+                          lambda z: F.cross_entropy(z, target, weight)),
+        "probabilities": (lambda z, w, y: losses.cross_entropy(z, y, process_group=group, vocab_start=0),
+                          lambda z: F.cross_entropy(z, probabilities)),
+    }
+    for name, (ours, theirs) in cases.items():
+        shard = logits[:, :width].clone().requires_grad_()
+        loss = ours(shard, weight[:width], probabilities[:, :width])
+        loss.backward()
+        whole = logits.clone().requires_grad_()
+        expected = theirs(whole)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, msg=lambda m: f"empty shard, {name}: loss: {m}")
+        torch.testing.assert_close(shard.grad, whole.grad[:, :width], msg=lambda m: f"empty shard, {name}: grad: {m}")
+    mine = [x.clone().requires_grad_(), head[:width].clone().requires_grad_(), bias[:width].clone().requires_grad_()]
+    loss = losses.linear_cross_entropy(*mine[:2], target, mine[2], process_group=group, vocab_start=0)
+    loss.backward()
+    whole = [t.clone().requires_grad_() for t in (x, head, bias)]
+    expected = F.cross_entropy(F.linear(*whole), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, msg=lambda m: f"empty shard, linear: loss: {m}")
+    for ours, theirs, part in ((mine[0], whole[0], slice(None)), (mine[1], whole[1], slice(0, width)),
+                               (mine[2], whole[2], slice(0, width))):
+        torch.testing.assert_close(ours.grad, theirs.grad[part], msg=lambda m: f"empty shard, linear: grad: {m}")
 
 
 def worker(rank, backend, store_path, cases, failures):
