@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import cross_entropy
 import losses
 import vocab_parallel
+from helpers import run_on_ranks
 
 WORLD = 2
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -213,55 +213,28 @@ def check_empty_shard(rank, group, device):
         torch.testing.assert_close(ours.grad, theirs.grad[part], msg=lambda m: f"empty shard, linear: grad: {m}")
 
 
-def worker(rank, backend, store_path, cases, failures):
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+def check_all(rank, device, cases):
+    """Every case twice (the same bits), the linear cases, the errors and edges: one rank's part."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         os.environ.pop("FUSED_LOSSES_STRICT", None)  # class weights and probabilities take torch ops
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
-        group = dist.group.WORLD
-        for index in cases:
-            first = check_case(index, rank, group, device)
-            torch.testing.assert_close(check_case(index, rank, group, device), first, rtol=0, atol=0, equal_nan=True,
-                                       msg=lambda m: f"case {index}: not the same bits on a second run: {m}")
-        for index in range(len(cases) // 4):
-            first = check_linear_case(index, rank, group, device)
-            torch.testing.assert_close(check_linear_case(index, rank, group, device), first, rtol=0, atol=0,
-                                       equal_nan=True, msg=lambda m: f"linear case {index}: not the same bits: {m}")
-        check_errors_and_edges(rank, group, device)
-        dist.barrier(group)
-    except BaseException as error:  # reported by the parent, with the rank
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
-        dist.destroy_process_group()
-        raise
-    # Both ranks are done: leave without tearing the group down, whose destructors hung one
-    # rank of a gloo pair on torch 2.0 in about 1 run of 5 (the other had exited).
-    os._exit(0)
-
-
-def run_on_two_ranks(backend, tmp_path, cases):
-    context = mp.get_context("spawn")
-    failures = context.SimpleQueue()
-    processes = [context.Process(target=worker, args=(rank, backend, str(tmp_path / "store"), cases, failures))
-                 for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=600)
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
-    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+    group = dist.group.WORLD
+    for index in cases:
+        first = check_case(index, rank, group, device)
+        torch.testing.assert_close(check_case(index, rank, group, device), first, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"case {index}: not the same bits on a second run: {m}")
+    for index in range(len(cases) // 4):
+        first = check_linear_case(index, rank, group, device)
+        torch.testing.assert_close(check_linear_case(index, rank, group, device), first, rtol=0, atol=0,
+                                   equal_nan=True, msg=lambda m: f"linear case {index}: not the same bits: {m}")
+    check_errors_and_edges(rank, group, device)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_vocab_parallel_on_cpu_with_gloo(tmp_path):
-    run_on_two_ranks("gloo", tmp_path, range(120))
+    run_on_ranks(check_all, (range(120),), "gloo", tmp_path / "store", WORLD)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
 def test_vocab_parallel_on_two_gpus_with_nccl(tmp_path):
-    run_on_two_ranks("nccl", tmp_path, range(120))
+    run_on_ranks(check_all, (range(120),), "nccl", tmp_path / "store", WORLD)

@@ -4,16 +4,14 @@ its loss computed inside the model's forward by each of our losses, ends with th
 that torch's losses give (1e-3 relative, norm-wise), each step's loss too. linear_cross_entropy takes the LM head's weight in
 the model's forward, where FSDP2 has it unsharded, tied to the embedding or not. On CPU with
 gloo (CI)."""
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import losses
+from helpers import run_on_ranks
 
 WORLD, VOCAB, HIDDEN, SEQUENCE, BATCH, STEPS = 2, 96, 32, 12, 4, 10
 LOSSES = ("cross_entropy", "linear_cross_entropy", "mse_loss", "kl_div")
@@ -80,28 +78,22 @@ def train(loss, ours, tied, wrapper, rank, device):
                                   for name, p in model.named_parameters()}
 
 
-def worker(rank, store_path, wrappers, failures):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
-        for wrapper in wrappers:
-            for loss in LOSSES:
-                for tied in (False, True):
-                    ours_history, ours = train(loss, True, tied, wrapper, rank, torch.device("cpu"))
-                    history, theirs = train(loss, False, tied, wrapper, rank, torch.device("cpu"))
-                    # FSDP2's bfloat16 parameters make our linear loss bfloat16 (units of 2^-8), as F.linear's.
-                    loss_rtol = 1e-2 if wrapper == "fsdp2" else 1e-3
-                    torch.testing.assert_close(ours_history, history, rtol=loss_rtol, atol=1e-6,
-                                               msg=lambda m: f"{wrapper} {loss} tied={tied}: losses: {m}")
-                    # Norm-wise: Adam's first steps are about lr * sign(gradient), so a gradient near 0
-                    # that rounds the other way (bfloat16 logits, torch's or ours) moves one weight by 2 lr.
-                    for name, weight in theirs.items():
-                        error = ((ours[name] - weight).norm() / weight.norm()).item()
-                        assert error <= 1e-3, f"{wrapper} {loss} tied={tied} {name}: {error:.2e} relative"
-        dist.barrier()
-    except BaseException as error:  # reported by the parent, with the rank
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
-        raise
-    os._exit(0)  # as test_distributed.py: no group teardown (gloo's destructors can hang)
+def check_training(rank, device, wrappers):
+    """Every loss, tied head or not, under each wrapper: ours against torch's, on this rank."""
+    for wrapper in wrappers:
+        for loss in LOSSES:
+            for tied in (False, True):
+                ours_history, ours = train(loss, True, tied, wrapper, rank, device)
+                history, theirs = train(loss, False, tied, wrapper, rank, device)
+                # FSDP2's bfloat16 parameters make our linear loss bfloat16 (units of 2^-8), as F.linear's.
+                loss_rtol = 1e-2 if wrapper == "fsdp2" else 1e-3
+                torch.testing.assert_close(ours_history, history, rtol=loss_rtol, atol=1e-6,
+                                           msg=lambda m: f"{wrapper} {loss} tied={tied}: losses: {m}")
+                # Norm-wise: Adam's first steps are about lr * sign(gradient), so a gradient near 0
+                # that rounds the other way (bfloat16 logits, torch's or ours) moves one weight by 2 lr.
+                for name, weight in theirs.items():
+                    error = ((ours[name] - weight).norm() / weight.norm()).item()
+                    assert error <= 1e-3, f"{wrapper} {loss} tied={tied} {name}: {error:.2e} relative"
 
 
 def fsdp2_available() -> bool:
@@ -115,16 +107,4 @@ def fsdp2_available() -> bool:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_and_fsdp2_training_matches_torchs_losses_on_cpu(tmp_path):
     wrappers = ["ddp"] + (["fsdp2"] if fsdp2_available() else [])  # fully_shard: torch 2.6+
-    context = mp.get_context("spawn")
-    failures = context.SimpleQueue()
-    processes = [context.Process(target=worker, args=(rank, str(tmp_path / "store"), wrappers, failures))
-                 for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=300)
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
-    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+    run_on_ranks(check_training, (wrappers,), "gloo", tmp_path / "store", WORLD, timeout=300)
