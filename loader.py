@@ -81,15 +81,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
 
 def bindings(kernel: str) -> str:
     """The build's main.cpp: BINDINGS for `kernel`'s ops (op_signatures.KERNEL_OPS and EXTRA_BINDINGS)."""
-    functions = {op: (f"{kernel}_{op}" if op in ("forward", "backward") else op, (kernel, op))
-                 for op in op_signatures.KERNEL_OPS.get(kernel, {})}
-    functions.setdefault("scale_by_grad_output_", ("scale_by_grad_output_", ("mse", "scale_by_grad_output_")))
-    for name, declared_as in op_signatures.EXTRA_BINDINGS.get(kernel, {}).items():
-        functions[name] = (name, declared_as)
+    functions = {op: (f"{kernel}_{op}" if op in ("forward", "backward") else op, schema)
+                 for op, schema in op_signatures.KERNEL_OPS.get(kernel, {}).items()}
+    functions.setdefault("scale_by_grad_output_", ("scale_by_grad_output_", op_signatures.SCALE_BY_GRAD_OUTPUT))
+    for name, schema in op_signatures.EXTRA_BINDINGS.get(kernel, {}).items():
+        functions[name] = (name, schema)
     definitions = "".join(
         f'  m.def("{name}", torch::wrap_pybind_function(fused_losses::{function})'
-        f'{op_signatures.pybind_arguments(*declared_as) if declared_as else ""});\n'
-        for name, (function, declared_as) in functions.items())
+        f'{op_signatures.pybind_arguments(schema) if schema else ""});\n'
+        for name, (function, schema) in functions.items())
     return BINDINGS.format(declarations=op_signatures.cpp_declarations(), definitions=definitions)
 
 

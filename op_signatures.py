@@ -62,9 +62,9 @@ KERNEL_OPS = {
     },
 }
 
-# What the build binds beyond KERNEL_OPS: cross-entropy's test-only path query takes the
-# forward's arguments (entry_points.h).
-EXTRA_BINDINGS = {"cross_entropy": {"cross_entropy_path": ("cross_entropy", "forward"),
+# What the build binds beyond KERNEL_OPS, with its schema (None: bound without argument names):
+# cross-entropy's test-only path query takes the forward's arguments (entry_points.h).
+EXTRA_BINDINGS = {"cross_entropy": {"cross_entropy_path": KERNEL_OPS["cross_entropy"]["forward"],
                                     "force_cross_entropy_path": None}}
 
 _CPP_TYPES = {"Tensor": "const at::Tensor&", "Tensor?": "const c10::optional<at::Tensor>&", "Tensor(a!)": "at::Tensor",
@@ -104,6 +104,6 @@ def cpp_declarations() -> str:
     return "\n".join(dict.fromkeys(lines))  # scale_by_grad_output_'s, once
 
 
-def pybind_arguments(kernel: str, op: str) -> str:
-    """', py::arg("logits"), ...' for the build's m.def of this op."""
-    return "".join(f', py::arg("{name}")' for name in argument_names(kernel, op))
+def pybind_arguments(schema: str) -> str:
+    """', py::arg("logits"), ...' for the build's m.def of an op with this schema."""
+    return "".join(f', py::arg("{name}")' for _, name in parse(schema)[0])
