@@ -1,5 +1,9 @@
-"""Linear + cross-entropy: F.cross_entropy(F.linear(input, weight, bias), target) without the
-(N, V) logits in memory, on the row-pass engine (row_passes.py).
+"""Linear + cross-entropy: torch 2.14's F.linear_cross_entropy(input, linear_weight, target, *,
+linear_bias, weight, ...), i.e. F.cross_entropy(F.linear(input, linear_weight, linear_bias), target),
+without the (N, V) logits in memory, on the row-pass engine (row_passes.py). Below the public
+function, weight and bias are the linear layer's (F.linear's names); its `weight` is class
+weights, as torch's. Class weights, probabilities and K-dimensional weights take its fallback:
+the logits whole.
 
 Forward: for each chunk of classes, the logits z = x W_c^T + b_c (F.linear, in the operands'
 dtype, as eager's), folded into the row statistics; then lse and the loss. Backward: each
@@ -23,9 +27,13 @@ gradient is summed over it (one more all-reduce, of N x H, in backward).
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.loss import _WeightedLoss
 
 if __package__:
     from . import cross_entropy as ce
@@ -274,56 +282,197 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _check_arguments(input, weight, target, bias, label_smoothing, z_loss, softcap) -> None:
-    """Every argument checked before any work, as ValueErrors that name it."""
-    if input.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"input must be (..., H) and weight (V, H); got input {tuple(input.shape)}, "
-                         f"weight {tuple(weight.shape)}")
-    if input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input's last dimension H = {input.shape[-1]} differs from weight's "
-                         f"(V, H) = {tuple(weight.shape)}")
-    helpers.check_same_device(input, target, weight)
-    if bias is not None and bias.device != input.device:
-        raise helpers.device_error("bias", bias, input)
-    for name, tensor in (("weight", weight), ("bias", bias)):
+# ----------------------------------------------------------------------------------
+# The public function and Module: torch 2.14's F.linear_cross_entropy and nn.LinearCrossEntropyLoss.
+
+_TORCH_OPTIONS = getattr(nn, "LinearCrossEntropyOptions", None)  # torch 2.14+
+_SIGNATURE = ("linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, "
+              "reduction='mean', ignore_index=None, label_smoothing=0.0, options=None, ...)")
+
+
+def _from_torch_options(options) -> dict:
+    """What of torch's LinearCrossEntropyOptions maps onto this implementation, as keyword arguments:
+    acc_policy "accurate" (d linear_weight summed in float32) -> accumulate_weight_grad_in_float32=True;
+    "compact" and "auto" -> False. Nothing else maps: batch_chunk_size and chunking_method (chunks
+    here follow a memory rule: chunk_width, row_chunk_rows), acc_dtype (sums here are float32,
+    float64 for float64), allow_retain_graph (backward here consumes nothing: retain_graph always
+    works). Raises unless options is None or, where torch has the class, one of its instances."""
+    if options is None:
+        return {}
+    if _TORCH_OPTIONS is not None and not isinstance(options, _TORCH_OPTIONS):
+        raise ValueError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got {type(options).__name__}")
+    return {"accumulate_weight_grad_in_float32": getattr(options, "acc_policy", "auto") == "accurate"}
+
+
+def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
+                     z_loss, softcap) -> bool:
+    """Every argument checked before any work, as ValueErrors that name it (torch's own raises
+    RuntimeErrors for some of these). Returns whether target holds class probabilities."""
+    helpers.check_reduction(reduction, ("none", "mean", "sum"))
+    if input.dim() < 1 or linear_weight.dim() < 2:
+        raise ValueError(f"input must be (..., H) and linear_weight (C, H) or (C, d1, ..., dK, H); got input "
+                         f"{tuple(input.shape)}, linear_weight {tuple(linear_weight.shape)}")
+    classes, out_features = linear_weight.shape[0], tuple(linear_weight.shape[1:-1])
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise ValueError(f"input's last dimension H = {input.shape[-1]} differs from linear_weight's "
+                         f"{tuple(linear_weight.shape)} (H last)")
+    if out_features and input.dim() != 2:
+        raise ValueError(f"a K-dimensional linear_weight {tuple(linear_weight.shape)} takes input of shape (N, H), "
+                         f"as torch's, got {tuple(input.shape)}")
+    for name, tensor in (("target", target), ("linear_weight", linear_weight), ("linear_bias", linear_bias),
+                         ("weight", weight)):
+        if tensor is not None and tensor.device != input.device:
+            raise helpers.device_error(name, tensor, input)
+    if weight is not None and tuple(weight.shape) != (classes,):
+        moved = (" The linear layer's weight is now linear_weight (the second argument) and weight= means class "
+                 "weights, as in torch 2.14's F.linear_cross_entropy." if weight.dim() > 1 else "")
+        raise ValueError(f"weight (class weights) must have shape ({classes},), one value per class, got "
+                         f"{tuple(weight.shape)}.{moved}")
+    for name, tensor in (("linear_weight", linear_weight), ("linear_bias", linear_bias), ("weight", weight)):
         if tensor is not None and tensor.dtype != input.dtype and not helpers.under_autocast(input):
             raise ValueError(f"{name} has dtype {tensor.dtype}, input {input.dtype}: they must match (outside "
-                             f"autocast, as F.linear requires)")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), one value per class, got {tuple(bias.shape)}")
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(f"target must have input's leading shape {tuple(input.shape[:-1])}, got "
-                         f"{tuple(target.shape)}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"target must hold class indices as int64 or int32, got {target.dtype}")
+                             f"autocast, as F.linear and F.cross_entropy require)")
+    if linear_bias is not None and tuple(linear_bias.shape) != (classes, *out_features):
+        raise ValueError(f"linear_bias must have shape {(classes, *out_features)}, one value per logit, got "
+                         f"{tuple(linear_bias.shape)}")
+    logits_shape = (*input.shape[:-1], classes, *out_features)
+    probabilities = tuple(target.shape) == logits_shape  # as torch tells them apart
+    if probabilities and not target.is_floating_point():
+        raise ValueError(f"target of the logits' shape {logits_shape} holds class probabilities, which must be "
+                         f"floating point, got {target.dtype}")
+    if probabilities and ignore_index is not None:
+        raise ValueError("ignore_index cannot be specified when target contains probabilities (leave it None)")
+    if not probabilities:
+        expected = (*input.shape[:-1], *out_features)
+        if tuple(target.shape) != expected:
+            raise ValueError(f"target must hold class indices of shape {expected} or probabilities of the logits' "
+                             f"shape {logits_shape}, got {tuple(target.shape)}")
+        if target.dtype not in (torch.int64, torch.int32, torch.uint8):
+            raise ValueError(f"target must hold class indices as int64, int32 or uint8, got {target.dtype}")
     ce.check_smoothing_and_z_loss(label_smoothing, z_loss)
     ce.check_softcap(softcap)
+    return probabilities
 
 
-def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                         return_lse: bool = False, process_group=None, vocab_start: int | None = None):
-    """F.cross_entropy(F.linear(input, weight, bias), target, ...) without the (N, V) logits in
-    memory: a chunk of the vocabulary at a time, the logits computed again in backward.
+def _why_logits_whole(linear_weight, probabilities: bool, weight) -> str | None:
+    """Why the row passes over chunks of classes cannot take the call, or None. Class weights and
+    probabilities would need the engine's weighted statistics in the chunk loop: not wired (yet)."""
+    if linear_weight.dim() > 2:
+        return "a K-dimensional linear_weight"
+    if probabilities:
+        return "probability targets"
+    if weight is not None:
+        return "class weights"
+    return None
 
-    input (..., H), weight (V, H), bias (V,), target: class indices (int64 or int32) of shape
-    input.shape[:-1]. softcap: the logits become softcap * tanh(logits / softcap) first (Gemma 2).
-    z_loss and return_lse as in cross_entropy (lse in target's shape, float32). Under CUDA
-    autocast the linear runs in autocast's dtype and the loss is float32, as torch's.
-    process_group: weight and bias hold this rank's contiguous rows of the output layer, its
-    shard of the classes (first class vocab_start, by default rank * V_r), as cross_entropy's;
-    input is the same on every rank and target holds global class ids. The loss equals the
-    unsharded one; weight's and bias's gradients are this shard's; input's is summed over the
-    group (one more all-reduce, of N x H, in backward), the full gradient on every rank.
-    Under a torch.func transform (no process_group) it is cross_entropy of F.linear's logits.
+
+def _check_classes_on_cpu(target, ignore_index: int, classes: int) -> None:
+    """torch's IndexError for a class index outside [0, C) that is not ignore_index. Read back on the
+    host: free of a device sync on CPU alone (on CUDA the row is NaN instead)."""
+    outside = (target != ignore_index) & ((target < 0) | (target >= classes))
+    if outside.any():
+        raise IndexError(f"target {int(target[outside][0])} is out of bounds: class indices are in [0, {classes}) "
+                         f"or ignore_index ({ignore_index})")
+
+
+def _logits_whole(input, linear_weight, target, linear_bias, weight, probabilities: bool, reduction: str,
+                  ignore_index: int, label_smoothing: float, z_loss: float, softcap, return_lse: bool):
+    """The fallback: cross_entropy of F.linear's logits, all of them at once (torch's own
+    F.linear_cross_entropy with options=None computes the same)."""
+    classes, hidden = linear_weight.shape[0], linear_weight.shape[-1]
+    logits = F.linear(input, linear_weight.reshape(-1, hidden),
+                      None if linear_bias is None else linear_bias.reshape(-1))
+    rows_of = input.dim() > 2 and linear_weight.dim() == 2  # (..., H): rows of classes, for cross_entropy
+    if linear_weight.dim() > 2:  # (N, C, d1, ..., dK): the classes in dim 1
+        logits = logits.reshape(input.shape[0], *linear_weight.shape[:-1])
+    elif rows_of:
+        logits = logits.reshape(-1, classes)
+        target = target.reshape(-1, classes) if probabilities else target.reshape(-1)
+    result = ce.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction=reduction,
+                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    if not rows_of:
+        return result
+    loss, lse = result if return_lse else (result, None)
+    loss = loss.reshape(input.shape[:-1]) if reduction == "none" else loss
+    return (loss, lse.reshape(input.shape[:-1])) if return_lse else loss
+
+
+def _old_signature_hint(function):
+    """Calls in the signature before torch 2.14's (bias the 4th positional argument or bias=, the
+    linear layer's weight as weight=) get a TypeError that says where each argument went."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if len(args) > 3 or "bias" in kwargs:
+            raise TypeError(f"linear_cross_entropy takes torch 2.14's signature, {_SIGNATURE}: the bias is now the "
+                            f"keyword linear_bias=")
+        if len(args) < 2 and "linear_weight" not in kwargs and "weight" in kwargs:
+            raise TypeError(f"linear_cross_entropy takes torch 2.14's signature, {_SIGNATURE}: the linear layer's "
+                            f"weight is now linear_weight, and weight= means class weights")
+        return function(*args, **kwargs)
+    return call
+
+
+@_old_signature_hint
+def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                         linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                         reduction: str = "mean", ignore_index: int | None = None, label_smoothing: float = 0.0,
+                         options=None, z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False,
+                         process_group=None, vocab_start: int | None = None):
+    """torch 2.14's F.linear_cross_entropy: F.cross_entropy(F.linear(input, linear_weight,
+    linear_bias), target, weight=weight, ...), same signature and results, without the (N, C)
+    logits in memory: a chunk of the classes at a time, the logits computed again in backward.
+
+    input (H) or (N, H), and beyond torch (..., H); linear_weight (C, H); linear_bias (C,);
+    target: class indices (int64, and beyond torch int32) of shape input.shape[:-1], or class
+    probabilities of the logits' shape (..., C). weight: class weights (C,), as torch's.
+    ignore_index: None is -100 for class indices; with probabilities it must stay None.
+    A class index outside [0, C) (not ignore_index) raises IndexError on CPU, as torch's; on
+    CUDA it gives NaN for its row (a check would sync every call), as with process_group.
+
+    Fused (the row passes over chunks of classes): class indices without class weights, every
+    reduction, ignore_index, label_smoothing and ours below. The fallback, the logits whole then
+    cross_entropy (torch ops, or our fused cross_entropy on them on CUDA, where
+    FUSED_LOSSES_STRICT=1 makes it raise): class weights and probability targets (their weighted
+    statistics are not wired into the chunk loop), a K-dimensional linear_weight (C, d1, ..., dK,
+    H) with bias (C, d1, ..., dK) and input (N, H), and calls under a torch.func transform.
+
+    options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here it
+    changes no result. Its chunk sizes (batch_chunk_size, chunking_method) are ignored: chunks
+    here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" maps to
+    summing d linear_weight in float32 (_from_torch_options), not acted on yet: each chunk of it is
+    one matrix product. acc_dtype is ignored (sums are float32, float64 for float64), and so is
+    allow_retain_graph (retain_graph=True always works).
+
+    Ours, keywords after torch's: z_loss and return_lse as in cross_entropy (lse in target's
+    shape for class indices, float32); softcap: the logits become softcap * tanh(logits /
+    softcap) first (Gemma 2). process_group (class indices without class weights):
+    linear_weight and linear_bias hold this rank's contiguous rows of the output layer, its shard
+    of the classes (first class vocab_start, by default rank * C_r), as cross_entropy's; input is
+    the same on every rank and target holds global class ids. The loss equals the unsharded one;
+    linear_weight's and linear_bias's gradients are this shard's; input's is summed over the
+    group (one more all-reduce, of N x H, in backward). Under CUDA autocast the linear runs in
+    autocast's dtype and the loss is float32, as torch's.
     """
-    helpers.check_reduction(reduction, ("none", "mean", "sum"))
-    _check_arguments(input, weight, target, bias, label_smoothing, z_loss, softcap)
-    if helpers.in_func_transform() and process_group is None:  # torch's ops: the logits whole
-        return ce.cross_entropy(F.linear(input, weight, bias).reshape(-1, weight.shape[0]), target.reshape(-1),
-                                ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                                z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    probabilities = _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                     label_smoothing, z_loss, softcap)
+    _from_torch_options(options)  # checked; see the docstring for what maps
+    why_whole = _why_logits_whole(linear_weight, probabilities, weight)
+    if process_group is not None and why_whole is not None:
+        raise ValueError(f"process_group takes class indices without class weights and a (C, H) linear_weight, got "
+                         f"{why_whole}")
+    ignore_index = -100 if ignore_index is None else int(ignore_index)
+    if target.dtype == torch.uint8:  # torch takes uint8 class indices; the row passes int64 or int32
+        target = target.long()
+    if (not probabilities and not input.is_cuda and process_group is None and not helpers.is_compiling()
+            and not helpers.in_func_transform()):
+        _check_classes_on_cpu(target, ignore_index, linear_weight.shape[0])
+    if why_whole is None and process_group is None and helpers.in_func_transform():
+        why_whole = "a torch.func transform"  # tensors without storage: torch's ops take them
+    if why_whole is not None:
+        helpers.check_fallback_allowed("linear_cross_entropy", why_whole + " take the logits whole", input)
+        return _logits_whole(input, linear_weight, target, linear_bias, weight, probabilities, reduction, ignore_index,
+                             label_smoothing, z_loss, softcap, return_lse)
+    weight, bias = linear_weight, linear_bias  # from here on the engine's names: weight is the linear layer's
     float_loss = False
     if helpers.under_autocast(input):  # F.linear in autocast's dtype, the loss in float32
         dtype = helpers.autocast_dtype()
@@ -337,28 +486,63 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
         wants = [helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias)]
         schedule = choose_schedule(wants, shards, helpers.is_compiling())
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, (
-            int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
+            ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
             schedule))
         loss = loss.to(torch.float32 if float_loss else input.dtype)
+    if input.dim() == 1 and reduction == "mean" and not label_smoothing and input.is_cuda:
+        # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0: as cross_entropy's.
+        loss = loss.masked_fill(rows_target[0] == ignore_index, 0)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return (loss, lse.reshape(target.shape)) if return_lse else loss
 
 
-class LinearCrossEntropyLoss(nn.Module):
-    """linear_cross_entropy as a module: forward(input, weight, target, bias=None)."""
+class LinearCrossEntropyLoss(_WeightedLoss):
+    """torch 2.14's nn.LinearCrossEntropyLoss on linear_cross_entropy: it owns its linear layer,
+    self.linear (nn.Linear(in_features, C * prod(out_features)), its state_dict keys
+    linear.weight and linear.bias as torch's), and forward(input, target). weight: class
+    weights, a buffer as in torch's _WeightedLoss. Takes linear_cross_entropy's z_loss, softcap,
+    return_lse, process_group and vocab_start as keywords after torch's (with process_group,
+    num_classes is this rank's shard of the classes)."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
-                 z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False, process_group=None,
+    def __init__(self, in_features: int, num_classes: int, *, out_features: tuple = (), bias: bool = False,
+                 device=None, dtype=None, reduction: str = "mean", weight: torch.Tensor | None = None,
+                 ignore_index: int | None = None, label_smoothing: float = 0.0, options=None, z_loss: float = 0.0,
+                 softcap: float | None = None, return_lse: bool = False, process_group=None,
                  vocab_start: int | None = None) -> None:
-        super().__init__()
-        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        sizes = (("in_features", in_features), ("num_classes", num_classes),
+                 *(("out_features", size) for size in out_features))
+        for name, size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must hold positive ints, got {size!r} (LinearCrossEntropyLoss takes torch "
+                                 f"2.14's constructor: (in_features, num_classes, *, ...), and owns its linear layer)")
+        if weight is not None and tuple(weight.shape) != (num_classes,):
+            raise ValueError(f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}")
+        helpers.check_reduction(reduction, ("none", "mean", "sum"))
+        ce.check_smoothing_and_z_loss(label_smoothing, z_loss)
+        ce.check_softcap(softcap)
+        _from_torch_options(options)
+        super().__init__(weight, None, None, reduction)
+        self.num_classes, self.out_features = num_classes, tuple(out_features)
+        self.ignore_index, self.label_smoothing, self.options = ignore_index, label_smoothing, options
         self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse
         self.process_group, self.vocab_start = process_group, vocab_start
+        # nn.Linear's weight is 2-D: (C * d1 * ... * dK, H), reshaped in forward, as torch's.
+        self.linear = nn.Linear(in_features, math.prod(self.out_features, start=num_classes), bias=bias,
+                                device=device, dtype=dtype)
 
-    def forward(self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                bias: torch.Tensor | None = None):
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index,
-                                    reduction=self.reduction, label_smoothing=self.label_smoothing,
-                                    z_loss=self.z_loss, softcap=self.softcap, return_lse=self.return_lse,
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        linear_weight = self.linear.weight.reshape(self.num_classes, *self.out_features, self.linear.in_features)
+        linear_bias = None if self.linear.bias is None else self.linear.bias.reshape(self.num_classes,
+                                                                                     *self.out_features)
+        return linear_cross_entropy(input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+                                    reduction=self.reduction, ignore_index=self.ignore_index,
+                                    label_smoothing=self.label_smoothing, options=self.options, z_loss=self.z_loss,
+                                    softcap=self.softcap, return_lse=self.return_lse,
                                     process_group=self.process_group, vocab_start=self.vocab_start)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.linear.in_features}, num_classes={self.num_classes}, "
+                f"out_features={self.out_features}, bias={self.linear.bias is not None}, "
+                f"reduction={self.reduction}, ignore_index={self.ignore_index}, "
+                f"label_smoothing={self.label_smoothing}, options={self.options}")

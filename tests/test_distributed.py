@@ -116,7 +116,8 @@ def check_linear_case(index, rank, group, device):
     # test_linear_cross_entropy.py's: bfloat16 logits carry errors far above a sharding's).
     if dtype == torch.bfloat16:
         full = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-        truth, truth_lse = losses.linear_cross_entropy(full[0], full[1], target, full[2], **options, return_lse=True)
+        truth, truth_lse = losses.linear_cross_entropy(full[0], full[1], target, linear_bias=full[2], **options,
+                                                        return_lse=True)
         truth, truth_lse = truth.double(), truth_lse.double()
     else:
         full = [t.detach().double().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
@@ -127,7 +128,7 @@ def check_linear_case(index, rank, group, device):
     truth.backward(grad_output)
     mine = [x.clone().requires_grad_(), weight[start:end].clone().requires_grad_(),
             None if bias is None else bias[start:end].clone().requires_grad_()]
-    loss, lse = losses.linear_cross_entropy(mine[0], mine[1], target, mine[2], **options, return_lse=True,
+    loss, lse = losses.linear_cross_entropy(mine[0], mine[1], target, linear_bias=mine[2], **options, return_lse=True,
                                             process_group=group, vocab_start=None if equal else start)
     loss.backward(grad_output.to(loss.dtype))
     tolerance = TOLERANCE[dtype]
@@ -202,7 +203,7 @@ def check_empty_shard(rank, group, device):
         torch.testing.assert_close(loss, expected, msg=lambda m: f"empty shard, {name}: loss: {m}")
         torch.testing.assert_close(shard.grad, whole.grad[:, :width], msg=lambda m: f"empty shard, {name}: grad: {m}")
     mine = [x.clone().requires_grad_(), head[:width].clone().requires_grad_(), bias[:width].clone().requires_grad_()]
-    loss = losses.linear_cross_entropy(*mine[:2], target, mine[2], process_group=group, vocab_start=0)
+    loss = losses.linear_cross_entropy(*mine[:2], target, linear_bias=mine[2], process_group=group, vocab_start=0)
     loss.backward()
     whole = [t.clone().requires_grad_() for t in (x, head, bias)]
     expected = F.cross_entropy(F.linear(*whole), target)

@@ -1,7 +1,8 @@
-"""linear_cross_entropy: F.cross_entropy(F.linear(input, weight, bias), target) a chunk of the
-vocabulary at a time. Every option and the gradients of input, weight and bias against float64,
-on CPU and CUDA, with chunks small enough that the classes span several; bad input raises first;
-on CUDA: bounded memory, no host sync, the same bits every run, torch.compile and CUDA graphs."""
+"""linear_cross_entropy: torch 2.14's F.linear_cross_entropy, i.e. F.cross_entropy(F.linear(input,
+linear_weight, linear_bias), target), a chunk of the vocabulary at a time. Every option and the
+gradients of input, linear_weight and linear_bias against float64, on CPU and CUDA, with chunks
+small enough that the classes span several; bad input and the old signature raise first; on CUDA:
+bounded memory, no host sync, the same bits every run, torch.compile and CUDA graphs."""
 import itertools
 
 import pytest
@@ -38,7 +39,7 @@ def reference(options, ignore_index=-100):
 
 
 def fused(options, ignore_index=-100):
-    return lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b, ignore_index=ignore_index, **options)
+    return lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, linear_bias=b, ignore_index=ignore_index, **options)
 
 
 def make_inputs(shape, hidden, vocab, dtype, device, target_dtype=torch.int64):
@@ -96,9 +97,9 @@ def test_without_bias_int32_targets_and_an_ignore_index_of_our_own(options, smal
                           inputs[:3], grad_of=(0, 1), case=str(options))
 
 
-def test_return_lse_and_the_module():
+def test_return_lse():
     x, w, t, b = make_inputs((4, 3), 8, 20, torch.float64, "cpu")
-    loss, lse = losses.LinearCrossEntropyLoss(return_lse=True, softcap=3.0)(x, w, t, b)
+    loss, lse = losses.linear_cross_entropy(x, w, t, linear_bias=b, return_lse=True, softcap=3.0)
     logits = 3.0 * torch.tanh(F.linear(x, w, b) / 3.0)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
     assert lse.shape == t.shape and not lse.requires_grad
@@ -108,18 +109,32 @@ def test_return_lse_and_the_module():
 def test_every_row_ignored_gives_torchs_nan_and_zero_gradients():
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     x.requires_grad_()
-    loss = losses.linear_cross_entropy(x, w, torch.full_like(t, -100), b)
+    loss = losses.linear_cross_entropy(x, w, torch.full_like(t, -100), linear_bias=b)
     assert torch.isnan(loss)
     loss.backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
 
 
-def test_a_class_outside_the_vocabulary_gives_nan_for_its_row_only():
-    """As cross_entropy's kernels: no device-side assert (it would poison a CUDA context)."""
+@pytest.mark.parametrize("class_weights", [False, True], ids=["fused", "class weights (the fallback)"])
+@pytest.mark.parametrize("bad", [20, -3])
+def test_a_class_outside_the_vocabulary_raises_index_error_on_cpu(bad, class_weights):
+    """As torch's on CPU; ignore_index is not outside, even a negative one."""
     x, w, t, b = make_inputs((4,), 8, 20, torch.float64, "cpu")
-    t = torch.tensor([3, 20, -100, -5])
+    weight = torch.rand(20, dtype=torch.float64) + 0.5 if class_weights else None
+    t = torch.tensor([3, -5, 19, 0])
+    losses.linear_cross_entropy(x, w, t, linear_bias=b, weight=weight, ignore_index=-5)
+    with pytest.raises(IndexError, match=f"target {bad} is out of bounds"):
+        losses.linear_cross_entropy(x, w, torch.tensor([3, -5, bad, 0]), linear_bias=b, weight=weight,
+                                    ignore_index=-5)
+
+
+@pytest.mark.gpu
+def test_a_class_outside_the_vocabulary_gives_nan_for_its_row_only_on_cuda():
+    """As cross_entropy's kernels: no device-side assert (it would poison a CUDA context), no host sync."""
+    x, w, t, b = make_inputs((4,), 8, 20, torch.float64, "cuda")
+    t = torch.tensor([3, 20, -100, -5], device="cuda")
     x.requires_grad_()
-    rows = losses.linear_cross_entropy(x, w, t, b, reduction="none")
+    rows = losses.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none")
     assert torch.isnan(rows[[1, 3]]).all() and rows[2] == 0
     torch.testing.assert_close(rows[0], F.cross_entropy(F.linear(x[:1], w, b), t[:1], reduction="none")[0])
     rows.sum().backward()
@@ -150,19 +165,62 @@ def test_confident_rows_keep_their_small_loss(device, softcap, small_chunks):
         assert relative.max() < 1e-4, relative.max()
 
 
+lce = losses.linear_cross_entropy
+
+
 @pytest.mark.parametrize("case,call,message", [
-    ("H differs", lambda x, w, t, b: losses.linear_cross_entropy(x[..., :7], w, t, b), "differs from weight"),
-    ("weight dtype", lambda x, w, t, b: losses.linear_cross_entropy(x, w.double(), t, b), "weight has dtype"),
-    ("bias length", lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b[:5]), "bias must have shape"),
-    ("target shape", lambda x, w, t, b: losses.linear_cross_entropy(x, w, t[:, :1], b), "leading shape"),
-    ("target dtype", lambda x, w, t, b: losses.linear_cross_entropy(x, w, t.float(), b), "class indices"),
-    ("softcap", lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b, softcap=0.0), "softcap"),
-    ("smoothing", lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b, label_smoothing=-0.1), "smoothing"),
-    ("reduction", lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b, reduction="batchmean"), "reduction"),
+    ("H differs", lambda x, w, t, b: lce(x[..., :7], w, t, linear_bias=b), "differs from linear_weight"),
+    ("linear_weight 1-D", lambda x, w, t, b: lce(x, w[0], t, linear_bias=b), "linear_weight"),
+    ("linear_weight dtype", lambda x, w, t, b: lce(x, w.double(), t, linear_bias=b), "linear_weight has dtype"),
+    ("linear_bias length", lambda x, w, t, b: lce(x, w, t, linear_bias=b[:5]), "linear_bias must have shape"),
+    ("target shape", lambda x, w, t, b: lce(x, w, t[:, :1], linear_bias=b), "target must hold class indices"),
+    ("target dtype", lambda x, w, t, b: lce(x, w, t.float(), linear_bias=b), "class indices as int64"),
+    ("integer probabilities", lambda x, w, t, b: lce(x, w, torch.zeros(2, 3, 20, dtype=torch.long)),
+     "floating point"),
+    ("ignore_index with probabilities", lambda x, w, t, b: lce(x, w, torch.rand(2, 3, 20), ignore_index=-100),
+     "ignore_index cannot be specified"),
+    ("class weights length", lambda x, w, t, b: lce(x, w, t, weight=torch.ones(19)), r"weight \(class weights\)"),
+    ("class weights dtype", lambda x, w, t, b: lce(x, w, t, weight=torch.ones(20, dtype=torch.float64)),
+     "weight has dtype"),
+    ("K-dim weight, (N, d, H) input", lambda x, w, t, b: lce(x, w.reshape(5, 4, 8), t), "takes input of shape"),
+    ("K-dim weight, process_group", lambda x, w, t, b: lce(x[0], w.reshape(5, 4, 8), torch.zeros(3, 4).long(),
+                                                            process_group=object()), "process_group takes"),
+    ("class weights, process_group", lambda x, w, t, b: lce(x, w, t, weight=torch.ones(20), process_group=object()),
+     "process_group takes"),
+    ("softcap", lambda x, w, t, b: lce(x, w, t, linear_bias=b, softcap=0.0), "softcap"),
+    ("smoothing", lambda x, w, t, b: lce(x, w, t, linear_bias=b, label_smoothing=-0.1), "smoothing"),
+    ("reduction", lambda x, w, t, b: lce(x, w, t, linear_bias=b, reduction="batchmean"), "reduction"),
 ])
-def test_bad_input_raises_before_any_work(case, call, message):
+def test_bad_input_raises_before_any_work(case, call, message, monkeypatch):
+    monkeypatch.setattr(F, "linear", lambda *args: _raise(AssertionError("work began before the checks")))
     with pytest.raises(ValueError, match=message):
         call(*make_inputs((2, 3), 8, 20, torch.float32, "cpu"))
+
+
+def _raise(error):
+    raise error
+
+
+@pytest.mark.parametrize("case,call,message", [
+    ("bias 4th positional", lambda x, w, t, b: lce(x, w, t, b), "the bias is now the keyword linear_bias="),
+    ("bias=", lambda x, w, t, b: lce(x, w, t, bias=b), "the bias is now the keyword linear_bias="),
+    ("weight= for the linear weight", lambda x, w, t, b: lce(x, weight=w, target=t),
+     "the linear layer's weight is now linear_weight"),
+])
+def test_the_old_signature_gets_a_type_error_that_says_where_arguments_went(case, call, message):
+    with pytest.raises(TypeError, match=message):
+        call(*make_inputs((2, 3), 8, 20, torch.float32, "cpu"))
+
+
+def test_the_linear_weight_given_as_class_weights_says_it_is_linear_weight_now():
+    x, w, t, b = make_inputs((2, 3), 8, 20, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="The linear layer's weight is now linear_weight"):
+        lce(x, w, t, weight=w)
+
+
+def test_the_old_module_constructor_says_it_takes_torchs():
+    with pytest.raises(ValueError, match="takes torch 2.14's constructor"):
+        losses.LinearCrossEntropyLoss(-100, "mean")  # the old (ignore_index, reduction)
 
 
 @pytest.mark.gpu
@@ -190,7 +248,7 @@ def leaf_inputs(*args):
 
 def _training_step(x, w, t, b, **options):
     x.grad = w.grad = b.grad = None
-    losses.linear_cross_entropy(x, w, t, b, **options).backward()
+    losses.linear_cross_entropy(x, w, t, linear_bias=b, **options).backward()
     return x.grad, w.grad, b.grad
 
 
@@ -231,7 +289,7 @@ def test_the_logits_never_exist_whole(monkeypatch):
 def test_torch_compile_fullgraph_and_cuda_graphs():
     x, w, t, b = leaf_inputs((64,), 32, 1000, torch.float32, "cuda")
     expected = _training_step(x, w, t, b, label_smoothing=0.1)
-    step = torch.compile(lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, b, label_smoothing=0.1),
+    step = torch.compile(lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1),
                          fullgraph=True)
     x.grad = w.grad = b.grad = None
     step(x, w, t, b).backward()
@@ -248,7 +306,7 @@ def test_torch_compile_fullgraph_and_cuda_graphs():
     x.grad = w.grad = b.grad = None  # the captured backward makes them, and each replay writes them
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss = losses.linear_cross_entropy(x, w, t, b, label_smoothing=0.1)
+        loss = losses.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1)
         loss.backward()
     fresh = make_inputs((64,), 32, 1000, torch.float32, "cuda")
     with torch.no_grad():
@@ -257,6 +315,7 @@ def test_torch_compile_fullgraph_and_cuda_graphs():
     graph.replay()
     x2, w2, t2, b2 = (tensor.detach().clone().requires_grad_(tensor.dtype.is_floating_point) for tensor in fresh)
     want = _training_step(x2, w2, t2, b2, label_smoothing=0.1)
-    torch.testing.assert_close(loss, losses.linear_cross_entropy(x2, w2, t2, b2, label_smoothing=0.1))
+    torch.testing.assert_close(loss, losses.linear_cross_entropy(x2, w2, t2, linear_bias=b2, label_smoothing=0.1))
     for got, expected_grad in zip((x.grad, w.grad, b.grad), want):
         torch.testing.assert_close(got, expected_grad)
+
