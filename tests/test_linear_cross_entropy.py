@@ -1,13 +1,19 @@
 """linear_cross_entropy: torch 2.14's F.linear_cross_entropy, i.e. F.cross_entropy(F.linear(input,
 linear_weight, linear_bias), target), a chunk of the vocabulary at a time. Every option and the
 gradients of input, linear_weight and linear_bias against float64, on CPU and CUDA, with chunks
-small enough that the classes span several; bad input and the old signature raise first; on CUDA:
+small enough that the classes span several; against torch's own function, its OpInfo samples and
+its Module where torch has them (2.14+); the fallback (the logits whole) for class weights,
+probabilities and K-dimensional weights; bad input and the old signature raise first; on CUDA:
 bounded memory, no host sync, the same bits every run, torch.compile and CUDA graphs."""
 import itertools
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import linear_cross_entropy
 import cross_entropy
@@ -319,3 +325,291 @@ def test_torch_compile_fullgraph_and_cuda_graphs():
     for got, expected_grad in zip((x.grad, w.grad, b.grad), want):
         torch.testing.assert_close(got, expected_grad)
 
+
+# ----------------------------------------------------------------------------------
+# torch 2.14's signature: against torch's own function, its OpInfo samples and its Module where the
+# installed torch has them; the fallback (the logits whole) against its definition on any torch.
+
+TORCH_LINEAR_CE = getattr(F, "linear_cross_entropy", None)  # torch 2.14+
+needs_torchs = pytest.mark.skipif(TORCH_LINEAR_CE is None, reason="torch < 2.14 has no F.linear_cross_entropy")
+
+
+def class_weights_for(x, classes):
+    """0.5 to 1.5, bfloat16 values: every dtype holds them, so the float64 truth weighs as the dtype does."""
+    return torch.linspace(0.5, 1.5, classes, device=x.device).to(torch.bfloat16).to(x.dtype)
+
+
+def make_case(rows, hidden, classes, dtype, probabilities, ignore_index=None, out_features=(), target_dtype=None):
+    """[input (*rows, H), linear_weight (C, *out_features, H), target, linear_bias (C, *out_features)]: class
+    indices (a quarter ignore_index, where rows has more than one row) or probabilities."""
+    x = torch.randn(*rows, hidden).to(dtype)
+    w = (torch.randn(classes, *out_features, hidden) / hidden**0.5).to(dtype)
+    b = torch.randn(classes, *out_features).mul(0.1).to(dtype)
+    if probabilities:
+        t = torch.randn(*rows, classes, *out_features).softmax(len(rows)).to(dtype)
+    else:
+        t = torch.randint(0, classes, (*rows, *out_features))
+        if rows and target_dtype != torch.uint8:  # -100 is no uint8
+            t = t.masked_fill(torch.rand(t.shape) < 0.25, -100 if ignore_index is None else ignore_index)
+        t = t.to(target_dtype or torch.int64)
+    return [x, w, t, b]
+
+
+def check_path(monkeypatch, whole: bool):
+    """Records the path taken: returns a function that asserts the fallback ran iff `whole`."""
+    ran = []
+    logits_whole = linear_cross_entropy._logits_whole
+    monkeypatch.setattr(linear_cross_entropy, "_logits_whole", lambda *args: ran.append(1) or logits_whole(*args))
+    return lambda case: (assert_path(bool(ran), whole, case))
+
+
+def assert_path(ran: bool, whole: bool, case: str) -> None:
+    assert ran == whole, f"{case}: the logits whole {'did not run' if whole else 'ran'}"
+
+
+def with_class_weights(function, keywords):
+    """function(x, w, t, b, **keywords), keywords' weight=True made class weights of x's dtype."""
+    keywords = dict(keywords)
+    weighted = keywords.pop("weight", False)
+    return lambda x, w, t, b: function(x, w, t, linear_bias=b, weight=class_weights_for(x, w.shape[0]) if weighted
+                                       else None, **keywords)
+
+
+# name: (rows, probabilities, keywords (weight=True: class weights), target dtype); 50 classes, 3 chunks of 16
+TORCH_CASES = {
+    "class indices, ignore_index None": ((11,), False, {}, None),
+    "ignore_index 7, sum": ((11,), False, dict(ignore_index=7, reduction="sum"), None),
+    "none, label_smoothing": ((11,), False, dict(reduction="none", label_smoothing=0.1), None),
+    "unbatched (H,)": ((), False, {}, None),
+    "uint8 class indices": ((11,), False, {}, torch.uint8),
+    "class weights": ((11,), False, dict(weight=True), None),
+    "class weights, ignore_index 7, label_smoothing, none": (
+        (11,), False, dict(weight=True, ignore_index=7, label_smoothing=0.1, reduction="none"), None),
+    "probabilities": ((11,), True, {}, None),
+    "probabilities, class weights, label_smoothing, sum": (
+        (11,), True, dict(weight=True, label_smoothing=0.1, reduction="sum"), None),
+    "unbatched probabilities, none": ((), True, dict(reduction="none"), None),
+}
+
+
+@needs_torchs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_matches_torchs_linear_cross_entropy(case, dtype, small_chunks, monkeypatch):
+    """Ours and torch's F.linear_cross_entropy(..., options=None) against float64: loss and the gradients
+    of input, linear_weight, linear_bias (and of probabilities); class weights and probabilities take
+    the fallback, the rest the row passes."""
+    rows, probabilities, keywords, target_dtype = TORCH_CASES[case]
+    inputs = make_case(rows, 16, 50, dtype, probabilities, keywords.get("ignore_index"), target_dtype=target_dtype)
+    assert_path_taken = check_path(monkeypatch, whole=probabilities or "weight" in keywords)
+    check_against_float64(with_class_weights(losses.linear_cross_entropy, keywords),
+                          with_class_weights(TORCH_LINEAR_CE, keywords), inputs,
+                          grad_of=(0, 1, 2, 3) if probabilities else (0, 1, 3), case=case)
+    assert_path_taken(case)
+
+
+def definition(x, w, t, linear_bias, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0):
+    """F.linear_cross_entropy's definition, for torch < 2.14 too: the logits whole, (N, C, d1, ..., dK)
+    for a K-dimensional w, rows of classes for (..., H) input, then F.cross_entropy."""
+    logits = F.linear(x, w.reshape(-1, w.shape[-1]), linear_bias.reshape(-1))
+    if w.dim() > 2:
+        logits = logits.reshape(x.shape[0], *w.shape[:-1])
+    else:
+        logits, t = logits.reshape(-1, w.shape[0]), (t.reshape(-1, w.shape[0]) if t.is_floating_point()
+                                                      else t.reshape(-1))
+    loss = F.cross_entropy(logits, t, weight=weight, reduction=reduction, ignore_index=ignore_index,
+                           label_smoothing=label_smoothing)
+    return loss.reshape(x.shape[:-1]) if reduction == "none" and w.dim() == 2 else loss
+
+
+# name: (rows, probabilities, keywords (weight=True: class weights), out_features); 5 classes
+FALLBACK_CASES = {
+    "class weights, (2, 5, H) input": ((2, 5), False, dict(weight=True), ()),
+    "probabilities, (2, 5, H) input, none": ((2, 5), True, dict(reduction="none"), ()),
+    "K-dimensional (C, 3, H), bias (C, 3)": ((7,), False, {}, (3,)),
+    "K-dimensional (C, 2, 3, H), probabilities, none": ((7,), True, dict(reduction="none"), (2, 3)),
+    "K-dimensional, class weights, ignore_index 1, label_smoothing, sum": (
+        (7,), False, dict(weight=True, ignore_index=1, label_smoothing=0.1, reduction="sum"), (3,)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", FALLBACK_CASES)
+def test_the_fallback_matches_the_definition_on_any_torch(case, dtype, monkeypatch):
+    rows, probabilities, keywords, out_features = FALLBACK_CASES[case]
+    inputs = make_case(rows, 8, 5, dtype, probabilities, keywords.get("ignore_index"), out_features)
+    assert_path_taken = check_path(monkeypatch, whole=True)
+    reference_keywords = {**keywords, "ignore_index": keywords.get("ignore_index", -100)}  # ours: None is -100
+    check_against_float64(with_class_weights(losses.linear_cross_entropy, keywords),
+                          with_class_weights(definition, reference_keywords), inputs,
+                          grad_of=(0, 1, 2, 3) if probabilities else (0, 1, 3), case=case)
+    assert_path_taken(case)
+
+
+def test_the_fallback_returns_the_lse_in_targets_shape():
+    x, w, t, b = make_case((2, 5), 8, 6, torch.float64, probabilities=True)
+    loss, lse = losses.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none", return_lse=True)
+    torch.testing.assert_close(lse, torch.logsumexp(F.linear(x, w, b), -1))
+    torch.testing.assert_close(loss, definition(x, w, t, b, reduction="none"))
+
+
+OPINFO_SAMPLES = """
+import sys, types, unittest
+import torch
+try:
+    import expecttest  # noqa: F401  (a test dependency of torch's, which requirements.txt leaves out)
+except ImportError:  # its TestCase is all that importing torch's test module needs of it
+    sys.modules["expecttest"] = stand_in = types.ModuleType("expecttest")
+    stand_in.TestCase, stand_in.ACCEPT = unittest.TestCase, False
+from torch.testing._internal.common_methods_invocations import sample_inputs_linear_cross_entropy
+torch.manual_seed(int(sys.argv[2]))
+torch.save([(sample.input, sample.args, sample.kwargs) for dtype in (torch.float64, torch.float32)
+            for sample in sample_inputs_linear_cross_entropy(None, "cpu", dtype, True)], sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def torchs_opinfo_samples(tmp_path_factory):
+    """torch's OpInfo samples of F.linear_cross_entropy (options=None; float64 and float32, inputs that
+    require grad), made in a subprocess: importing torch's test module forbids setting torch.backends
+    flags for the rest of the process that imports it."""
+    from conftest import SEED
+    path = tmp_path_factory.mktemp("opinfo") / "samples.pt"
+    made = subprocess.run([sys.executable, "-c", OPINFO_SAMPLES, str(path), str(SEED)], capture_output=True,
+                          text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-4000:]
+    return torch.load(path)
+
+
+@needs_torchs
+def test_torchs_opinfo_samples(torchs_opinfo_samples):
+    """Every sample (unbatched, K-dimensional weights, class weights, ignore_index, linear_bias, class
+    probabilities that require grad): ours gives torch's loss and gradients, from the same grad_output."""
+    assert len(torchs_opinfo_samples) > 100  # 119 a dtype in torch 2.14
+    for index, (input, args, kwargs) in enumerate(torchs_opinfo_samples):
+        case = (f"sample {index}: input {tuple(input.shape)} {input.dtype}, linear_weight {tuple(args[0].shape)}, "
+                f"target {tuple(args[1].shape)} {args[1].dtype}, {sorted(kwargs)} {kwargs.get('reduction')}")
+        wanted = [t for t in (input, args[0], args[1], kwargs.get("linear_bias")) if t is not None and t.requires_grad]
+        theirs = TORCH_LINEAR_CE(input, *args, **kwargs)
+        grad_output = torch.rand_like(theirs) + 0.5
+        ours = losses.linear_cross_entropy(input, *args, **kwargs)
+        for got, expected in zip([ours, *torch.autograd.grad(ours, wanted, grad_output)],
+                                 [theirs, *torch.autograd.grad(theirs, wanted, grad_output)]):
+            torch.testing.assert_close(got, expected, msg=lambda message: f"{case}: {message}")
+
+
+def test_the_module_owns_its_linear_layer():
+    """torch's constructor; the class weights a buffer; forward(input, target) is the function of its
+    linear layer's weight and bias, with every option handed on; gradients reach the layer."""
+    weight = torch.rand(20, dtype=torch.float64) + 0.5
+    module = losses.LinearCrossEntropyLoss(8, 20, bias=True, dtype=torch.float64, reduction="sum", weight=weight,
+                                           ignore_index=3, label_smoothing=0.1, z_loss=1e-2, softcap=4.0,
+                                           return_lse=True)
+    assert isinstance(module.linear, nn.Linear) and module.linear.weight.shape == (20, 8)
+    assert module.linear.weight.dtype == torch.float64 and module.linear.bias.shape == (20,)
+    assert list(module.state_dict()) == ["weight", "linear.weight", "linear.bias"]  # torch's _WeightedLoss buffer
+    x, t = torch.randn(2, 5, 8, dtype=torch.float64), torch.randint(0, 20, (2, 5))
+    loss, lse = module(x, t)
+    expected, expected_lse = losses.linear_cross_entropy(
+        x, module.linear.weight, t, linear_bias=module.linear.bias, weight=weight, reduction="sum", ignore_index=3,
+        label_smoothing=0.1, z_loss=1e-2, softcap=4.0, return_lse=True)
+    assert torch.equal(loss, expected) and torch.equal(lse, expected_lse)
+    loss.backward()
+    assert module.linear.weight.grad is not None and module.linear.bias.grad is not None
+    assert list(losses.LinearCrossEntropyLoss(8, 20).state_dict()) == ["linear.weight"]  # no bias, no class weights
+
+
+def test_the_k_dimensional_module_reshapes_its_linear_layer():
+    module = losses.LinearCrossEntropyLoss(8, 5, out_features=(3,), bias=True, dtype=torch.float64)
+    assert module.linear.weight.shape == (15, 8) and module.linear.bias.shape == (15,)
+    x, t = torch.randn(7, 8, dtype=torch.float64), torch.randint(0, 5, (7, 3))
+    expected = definition(x, module.linear.weight.reshape(5, 3, 8), t, module.linear.bias.reshape(5, 3))
+    torch.testing.assert_close(module(x, t), expected)
+
+
+@needs_torchs
+@pytest.mark.parametrize("config", [dict(), dict(bias=True, weight=True, reduction="none"),
+                                    dict(out_features=(3,), bias=True),
+                                    dict(ignore_index=2, label_smoothing=0.1, reduction="sum")], ids=str)
+def test_the_module_matches_torchs(config):
+    """The same state_dict keys, each module loads the other's, and the same loss and gradients."""
+    config = {**config, "weight": torch.rand(5, dtype=torch.float64) + 0.5 if config.get("weight") else None}
+    ours = losses.LinearCrossEntropyLoss(8, 5, dtype=torch.float64, **config)
+    theirs = torch.nn.LinearCrossEntropyLoss(8, 5, dtype=torch.float64, **config)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 5, (7, *config.get("out_features", ())))
+    results = []
+    for module in (ours, theirs):
+        loss = module(x, t)
+        results.append([loss, *torch.autograd.grad(loss, [x, *module.linear.parameters()], torch.ones_like(loss))])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is None, reason="torch < 2.14: no LinearCrossEntropyOptions")
+def test_torchs_options_change_no_result():
+    """Chunk sizes and accumulation options are torch's chunked path's; ours gives the same bits with any.
+    acc_policy="accurate" maps to a float32 sum of d linear_weight; options of another type raise."""
+    options_class = torch.nn.LinearCrossEntropyOptions
+    x, w, t, b = make_inputs((6,), 8, 20, torch.float32, "cpu")
+    x.requires_grad_(), w.requires_grad_()
+
+    def step(options):
+        loss = losses.linear_cross_entropy(x, w, t, linear_bias=b, options=options)
+        return [loss, *torch.autograd.grad(loss, [x, w])]
+    expected = step(None)
+    for options in (options_class(), options_class(batch_chunk_size=2, allow_retain_graph=True),
+                    options_class(acc_policy="accurate", acc_dtype=torch.float64),
+                    options_class(chunking_method="aspect_ratio:4")):
+        for got, want in zip(step(options), expected):
+            assert torch.equal(got, want), options
+    assert linear_cross_entropy._from_torch_options(None) == {}
+    for policy, float32 in (("accurate", True), ("compact", False), ("auto", False)):
+        mapped = linear_cross_entropy._from_torch_options(options_class(acc_policy=policy))
+        assert mapped == {"accumulate_weight_grad_in_float32": float32}
+    with pytest.raises(ValueError, match="options must be None or a torch.nn.LinearCrossEntropyOptions"):
+        losses.linear_cross_entropy(x, w, t, options={"acc_policy": "accurate"})
+
+
+@pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is not None, reason="torch has LinearCrossEntropyOptions")
+def test_without_torchs_options_class_options_are_read_where_they_map():
+    options = types.SimpleNamespace(acc_policy="accurate", batch_chunk_size=2)
+    assert linear_cross_entropy._from_torch_options(options) == {"accumulate_weight_grad_in_float32": True}
+    x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
+    assert torch.equal(losses.linear_cross_entropy(x, w, t, options=options), losses.linear_cross_entropy(x, w, t))
+
+
+@pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
+def test_a_second_backward_with_retain_graph_gives_the_same_gradients(grad_of):
+    """What torch's allow_retain_graph asks for: our backward consumes nothing it saved."""
+    inputs = make_inputs((6,), 8, 20, torch.float64, "cpu")
+    leaves = [tensor.requires_grad_(index in grad_of) for index, tensor in enumerate(inputs)]
+    loss = losses.linear_cross_entropy(leaves[0], leaves[1], leaves[2], linear_bias=leaves[3])
+    wanted = [leaves[index] for index in grad_of]
+    first = torch.autograd.grad(loss, wanted, retain_graph=True)
+    for got, want in zip(torch.autograd.grad(loss, wanted), first):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["class weights, (2, 5, H) input", "probabilities, (2, 5, H) input, none",
+                                  "K-dimensional (C, 2, 3, H), probabilities, none"])
+def test_the_fallback_on_cuda_and_strict_mode_refusing_it(case, monkeypatch):
+    rows, probabilities, keywords, out_features = FALLBACK_CASES[case]
+    inputs = [t.cuda() for t in make_case(rows, 8, 5, torch.float32, probabilities, None, out_features)]
+    ours = with_class_weights(losses.linear_cross_entropy, keywords)
+    with pytest.raises(RuntimeError, match="FUSED_LOSSES_STRICT"):
+        ours(*inputs)
+    monkeypatch.delenv("FUSED_LOSSES_STRICT")
+    check_against_float64(ours, with_class_weights(definition, keywords), inputs,
+                          grad_of=(0, 1, 2, 3) if probabilities else (0, 1, 3), case=case)
+
+
+@pytest.mark.gpu
+def test_an_unbatched_ignored_target_on_cuda_is_torchs_zero():
+    """torch's CUDA cross_entropy of (C,) logits with an ignored target gives 0, not 0 / 0."""
+    x, w, _, b = make_case((), 8, 5, torch.float32, probabilities=False)
+    x, w, b, t = x.cuda(), w.cuda(), b.cuda(), torch.tensor(-100, device="cuda")
+    torch.testing.assert_close(losses.linear_cross_entropy(x, w, t, linear_bias=b), F.cross_entropy(F.linear(x, w, b), t))
