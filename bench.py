@@ -867,16 +867,20 @@ def cpu_check():
     q = torch.softmax(torch.randn(64, 1000), dim=-1)
     x, y = torch.randn(64, 1000), torch.randn(64, 1000)
     target = torch.randint(0, 1000, (64,))
+    hidden, head, bias = torch.randn(64, 128), torch.randn(1000, 128) / 128**0.5, torch.randn(1000)
     pairs = [
         ("kl_div", ours_kl(p, q), eager_kl(p, q)),
         ("mse_loss", losses.mse_loss(x, y), F.mse_loss(x, y)),
         ("cross_entropy", losses.cross_entropy(x, target), F.cross_entropy(x, target)),
+        # torch 2.14's F.linear_cross_entropy, by its definition (older torch has none)
+        ("linear_cross_entropy", losses.linear_cross_entropy(hidden, head, target, linear_bias=bias),
+         F.cross_entropy(F.linear(hidden, head, bias), target)),
     ]
     mismatches = 0
     for name, ours, reference in pairs:
         match = torch.allclose(ours, reference, rtol=1e-6, atol=0)
         mismatches += not match
-        print(f"  {name:14s} ours {ours.item():.6f}  torch {reference.item():.6f}  {'match' if match else 'MISMATCH'}")
+        print(f"  {name:20s} ours {ours.item():.6f}  torch {reference.item():.6f}  {'match' if match else 'MISMATCH'}")
     print("No timings without a GPU, so nothing is written to bench_out/.")
     return 1 if mismatches else 0
 
