@@ -100,13 +100,17 @@ def _chunks(weight, bias, width):
         yield start, weight[start:end], None if bias is None else bias[start:end]
 
 
-def _add_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """total += a @ b, with total in the accumulation type."""
+def _add_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """total += a @ b, with total in the accumulation type; first: total = a @ b, total's old
+    values (uninitialized memory) never read."""
+    beta = 0 if first else 1
     if a.dtype == total.dtype:
-        total.addmm_(a, b)
+        total.addmm_(a, b, beta=beta)
     elif _ADDMM_OUT_DTYPE and a.is_cuda:
-        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
-    else:  # older torch: each chunk's product rounded once to the operands' dtype
+        torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype, out=total)
+    elif first:  # older torch: each chunk's product rounded once to the operands' dtype
+        total.copy_(a @ b)
+    else:
         total.add_(a @ b)
 
 
@@ -173,7 +177,8 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     loss = torch.empty(rows, dtype=acc, device=x.device)
     softmax_stats = torch.empty(3, rows, dtype=acc, device=x.device)
     grad_x = torch.empty_like(x) if wants[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device) if wants[1] else None
+    # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
+    grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
     grad_b = torch.zeros(vocab, dtype=acc, device=x.device) if wants[2] else None
     height = row_chunk_rows(vocab, x.element_size(), summing=wants[1])
     for first in range(0, rows, height):
@@ -181,16 +186,16 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         stats = row_passes.new_stats(end - first, x.dtype, x.device)
         row_passes.fold_stats(z, t, 0, vocab, stats, softcap)
-        loss[first:end], softmax_stats[:, first:end], _ = row_passes.finish_loss(stats, t, ignore_index, vocab,
-                                                                                 label_smoothing, z_loss)
+        loss[first:end], chunk_stats, _ = row_passes.finish_loss(stats, t, ignore_index, vocab, label_smoothing,
+                                                                 z_loss)
+        softmax_stats[:, first:end] = chunk_stats
         if any(wants):
             row_scale = row_passes.row_scales(one, t, count, ignore_index, vocab, reduction, acc)
-            row_passes.write_gradient(z, z, t, 0, vocab, softmax_stats[:, first:end], row_scale, label_smoothing,
-                                      z_loss, softcap)
+            row_passes.write_gradient(z, z, t, 0, vocab, chunk_stats, row_scale, label_smoothing, z_loss, softcap)
         if wants[0]:
             torch.mm(z, weight, out=grad_x[first:end])
         if wants[1]:
-            _add_matmul_(grad_w, z.t(), x[first:end])
+            _add_matmul_(grad_w, z.t(), x[first:end], first=first == 0)
         if wants[2]:
             grad_b += z.sum(0, dtype=acc)
         del z  # before the next chunk's logits: one chunk held at a time

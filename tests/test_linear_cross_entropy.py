@@ -78,9 +78,11 @@ def check_schedule(options, inputs, grad_of, monkeypatch):
                             lambda *args, _name=name, _pass=getattr(linear_cross_entropy, name): ran.append(_name)
                             or _pass(*args))
     check_against_float64(fused(options), reference(options), inputs, grad_of=grad_of, case=str(options))
+    schedule = schedule_of(options, inputs, grad_of)
     expected = {"rows": {"row_pass"}, "rows_then_classes": {"row_pass", "gradient_pass"},
-                "classes": {"loss_pass", "gradient_pass"}}[schedule_of(options, inputs, grad_of)]
-    assert set(ran) == expected, (set(ran), expected)
+                "classes": {"loss_pass", "gradient_pass"}}[schedule]
+    assert expected <= set(ran), (set(ran), expected)  # beside the no-grad call's passes (eval)
+    assert schedule != "rows" or "gradient_pass" not in ran
 
 
 def test_the_schedule_follows_the_wanted_gradients_and_their_dtype():
@@ -216,11 +218,12 @@ def test_matches_float64_on_cuda(options, dtype, grad_of, small_chunks, monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vocab", [50257, 4096 + 3])
-def test_default_chunks_on_cuda(vocab):
-    """The chunk width the product picks, with a short, odd last chunk."""
+@pytest.mark.parametrize("rows,vocab", [(21, 50257), (21, 4096 + 3), (6000, 300)])
+def test_default_chunks_on_cuda(rows, vocab):
+    """The chunk width the product picks, with a short, odd last chunk; the row passes with a
+    block a row (few rows) and a warp a row (6000: more than 32 a multiprocessor)."""
     options = dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=30.0)
-    inputs = make_inputs((3, 7), 64, vocab, torch.bfloat16, "cuda")
+    inputs = make_inputs((rows,), 64, vocab, torch.bfloat16, "cuda")
     check_against_float64(fused(options), reference(options), inputs, grad_of=(0, 1, 3), case=str(vocab))
 
 
