@@ -730,9 +730,14 @@ def run_vocab_parallel(reps, warmup) -> dict:
 
 
 # ----------------------------------------------------------------------------------
-# Linear + cross-entropy (--linear): a training step's loss from the last hidden states (N, H)
-# and the output layer's weight (V, H), bf16, 5% of targets ignored, gradients of both.
-#   floor      the step's three matrix products alone: x @ w.T, g @ w, g.T @ x
+# Linear + cross-entropy (--linear): a step's loss from the last hidden states (N, H) and the
+# output layer's weight (V, H), 5% of targets ignored, in each setup (LINEAR_SETUPS):
+#   train         bf16 input and weight, gradients of both      floor: 3 products (x w^T, g w, g^T x)
+#   frozen head   bf16, input's gradient alone (LoRA)            floor: 2 (x w^T, g w)
+#   fp32 master   float32 weight under bf16 autocast, both grads floor: 3 (and eager's bf16 copy of w)
+#   eval          bf16, no gradient                              floor: 1 (x w^T)
+# The implementations:
+#   floor      the setup's matrix products alone, cuBLAS
 #   ours       losses.linear_cross_entropy
 #   eager      F.cross_entropy(F.linear(x, w), target) (softcap: s * tanh(logits / s) between)
 #   compile    torch.compile (default mode) of eager
@@ -742,11 +747,16 @@ def run_vocab_parallel(reps, warmup) -> dict:
 # The implementations take turns, LINEAR_ROUNDS rounds of steps each between two CUDA events, so
 # that the GPU's clock (an H100 at its 700 W limit runs these at 1.3-1.6 GHz) falls on all alike.
 # Peak extra MB: peak allocated during one step, minus what was allocated before it, minus the
-# gradients it returns (no .grad held before the step). The check compares the loss and both
+# gradients it returns (no .grad held before the step). The check compares the loss and the
 # gradients with eager's (relative norm-wise error <= 2e-2).
 
 LINEAR_CASES = (("Llama 3", 8192, 4096, 128256, None), ("Llama 3, longer", 16384, 4096, 128256, None),
                 ("Gemma 2 2B", 8192, 2304, 256000, 30.0))
+# setup -> (weight's dtype, gradients of (input, weight), autocast, matrix products of the floor)
+LINEAR_SETUPS = {"train": (torch.bfloat16, (True, True), False, 3),
+                 "frozen head": (torch.bfloat16, (True, False), False, 2),
+                 "fp32 master": (torch.float32, (True, True), True, 3),
+                 "eval": (torch.bfloat16, (False, False), False, 1)}
 LINEAR_ROUNDS = 3
 
 
@@ -774,28 +784,46 @@ def linear_ce_impls(softcap) -> dict:
     return impls
 
 
-def run_linear_case(name, rows, hidden, vocab, softcap, reps, warmup) -> list[dict]:
+def linear_floor(x, w, products: int):
+    """The setup's matrix products, cuBLAS alone."""
+    with torch.no_grad():
+        g = x @ w.t()
+        if products >= 2:
+            g @ w
+        if products >= 3:
+            g.t() @ x
+
+
+def run_linear_case(name, rows, hidden, vocab, softcap, setup, reps, warmup) -> list[dict]:
+    weight_dtype, (grad_x, grad_w), autocast, products = LINEAR_SETUPS[setup]
     torch.manual_seed(0)
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(grad_x)
+    w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(weight_dtype).requires_grad_(grad_w)
     target = torch.randint(0, vocab, (rows,), device="cuda").masked_fill_(torch.rand(rows, device="cuda") < 0.05, -100)
-    grad_bytes = (x.numel() + w.numel()) * 2
+    leaves = [tensor for tensor in (x, w) if tensor.requires_grad]
+    grad_bytes = sum(tensor.numel() * tensor.element_size() for tensor in leaves)
     impls = linear_ce_impls(softcap)
 
     def step(loss_fn):
         x.grad = w.grad = None
-        loss_fn(x, w, target).backward()
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast), torch.set_grad_enabled(bool(leaves)):
+            loss = loss_fn(x, w, target)
+        if leaves:
+            loss.backward()
+        return loss
 
-    def floor():
-        with torch.no_grad():
-            g = x @ w.t()
-            g @ w, g.t() @ x
-
-    steps = {"floor": floor, **{impl: functools.partial(step, loss_fn) for impl, loss_fn in impls.items()}}
+    floor_w = w.detach().to(torch.bfloat16)
+    steps = {"floor": lambda: linear_floor(x, floor_w, products),
+             **{impl: functools.partial(step, loss_fn) for impl, loss_fn in impls.items()}}
+    failed = {}
+    for impl, run_step in list(steps.items()):  # warm-up: builds, compilation, autotuning
+        try:
+            for _ in range(warmup):
+                run_step()
+        except Exception as error:  # a peer that does not take this setup
+            failed[impl] = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            del steps[impl]
     times = {impl: [] for impl in steps}
-    for impl, run_step in steps.items():  # warm-up: builds, compilation, autotuning
-        for _ in range(warmup):
-            run_step()
     for _ in range(LINEAR_ROUNDS):
         for impl, run_step in steps.items():
             for _ in range(max(1, reps // LINEAR_ROUNDS)):
@@ -806,54 +834,62 @@ def run_linear_case(name, rows, hidden, vocab, softcap, reps, warmup) -> list[di
                 end.synchronize()
                 times[impl].append(start.elapsed_time(end))
     results = []
-    x.grad = w.grad = None
     eager = None
     for impl in steps:
         free_gpu_memory()
+        x.grad = w.grad = None
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        outputs = None
         if impl == "floor":
-            floor()
+            steps[impl]()
             extra = None
         else:
-            value = impls[impl](x, w, target)
-            value.backward()
+            value = steps[impl]()
             extra = (torch.cuda.max_memory_allocated() - before - grad_bytes) / 2**20
-            outputs = (value.detach().float(), x.grad, w.grad)
-            x.grad = w.grad = None
+            outputs = (value.detach().float(), *(tensor.grad for tensor in leaves))
             if impl == "eager":
                 eager = outputs
-        results.append({"case": name, "shape": [rows, hidden, vocab], "softcap": softcap, "impl": impl,
-                        "train_ms": statistics.median(times[impl]), "peak_extra_MB": extra,
-                        "outputs": None if impl == "floor" else outputs})
+        results.append({"case": name, "setup": setup, "shape": [rows, hidden, vocab], "softcap": softcap,
+                        "impl": impl, "train_ms": statistics.median(times[impl]), "peak_extra_MB": extra,
+                        "outputs": outputs})
+    x.grad = w.grad = None
     floor_ms = results[0]["train_ms"]
     for result in results:
         outputs = result.pop("outputs")
         result["x_floor"] = result["train_ms"] / floor_ms
-        if outputs is not None:
+        if outputs is not None and eager is not None:
             errors = [relative_error(ours, reference) for ours, reference in zip(outputs, eager)]
             result["check"] = "ok" if max(errors) <= 2e-2 else "MISMATCH " + ", ".join(f"{e:.2g}" for e in errors)
+    results.extend({"case": name, "setup": setup, "shape": [rows, hidden, vocab], "softcap": softcap, "impl": impl,
+                    "check": f"failed: {why}"} for impl, why in failed.items())
     del eager
     free_gpu_memory()
     return results
 
 
-def run_linear(reps, warmup) -> list[dict]:
+def run_linear(reps, warmup, filter_text="") -> list[dict]:
+    wanted = [word for word in filter_text.split(",") if word]
     results = []
     for case in LINEAR_CASES:
-        results.extend(run_linear_case(*case, reps, warmup))
+        for setup in LINEAR_SETUPS:
+            if not wanted or any(word in f"{case[0]} / {setup}" for word in wanted):
+                results.append(run_linear_case(*case, setup, reps, warmup))
     gpu = torch.cuda.get_device_name()
-    print(f"\nLinear + cross-entropy training step (bf16, forward + backward of input and weight), {gpu}:")
-    print(f"  {'case':17s} {'impl':10s} {'ms':>8s} {'x floor':>8s} {'peak extra MB':>14s} {'ours faster':>12s}  check")
-    for case_results in (results[i:i + len(results) // len(LINEAR_CASES)] for i in
-                         range(0, len(results), len(results) // len(LINEAR_CASES))):
-        ours_ms = next(r["train_ms"] for r in case_results if r["impl"] == "ours")
+    print(f"\nLinear + cross-entropy, a step of each setup (bf16 products), {gpu}:")
+    print(f"  {'case':17s} {'setup':12s} {'impl':10s} {'ms':>8s} {'x floor':>8s} {'peak extra MB':>14s} "
+          f"{'ours faster':>12s}  check")
+    for case_results in results:
+        ours_ms = next((r["train_ms"] for r in case_results if r["impl"] == "ours" and "train_ms" in r), None)
         for r in case_results:
+            if "train_ms" not in r:
+                print(f"  {r['case']:17s} {r['setup']:12s} {r['impl']:10s} {r['check']}")
+                continue
             extra = "-" if r["peak_extra_MB"] is None else f"{r['peak_extra_MB']:.0f}"
-            faster = "-" if r["impl"] in ("floor", "ours") else f"{r['train_ms'] / ours_ms:.2f}x"
-            print(f"  {r['case']:17s} {r['impl']:10s} {r['train_ms']:8.2f} {r['x_floor']:8.2f} {extra:>14s} "
-                  f"{faster:>12s}  {r.get('check', '')}")
-    return results
+            faster = "-" if r["impl"] in ("floor", "ours") or ours_ms is None else f"{r['train_ms'] / ours_ms:.2f}x"
+            print(f"  {r['case']:17s} {r['setup']:12s} {r['impl']:10s} {r['train_ms']:8.2f} {r['x_floor']:8.2f} "
+                  f"{extra:>14s} {faster:>12s}  {r.get('check', '')}")
+    return [r for case_results in results for r in case_results]
 
 
 # ----------------------------------------------------------------------------------
@@ -898,7 +934,8 @@ def liger_version():
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (5 warm-up, 10 timed)")
-    parser.add_argument("--cases", default="", help="comma-separated substrings of case names, e.g. kl,ce-64")
+    parser.add_argument("--cases", default="", help="comma-separated substrings of case names, e.g. kl,ce-64 "
+                        "(with --linear: of 'case / setup', e.g. 'Llama 3 / frozen')")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per measurement (default 50, quick 10)")
     parser.add_argument("--json", default="bench_out/bench.json", help="where to write the results")
@@ -949,7 +986,7 @@ def run(args):
         return 0 if close and report["grad_relative_difference"] <= 2e-2 else 1
     os.environ["FUSED_LOSSES_STRICT"] = "1"  # time our kernels, never a torch fallback
     if args.linear:
-        results = run_linear(args.reps or (6 if args.quick else 15), 2 if args.quick else 3)
+        results = run_linear(args.reps or (6 if args.quick else 15), 2 if args.quick else 3, args.cases)
         write_json(args.json, {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "cuda": torch.version.cuda, "linear": results})
         return 0 if all(r.get("check", "ok") == "ok" for r in results if r["impl"] == "ours") else 1

@@ -61,27 +61,45 @@ def chunk_width(rows: int, vocab: int, element_size: int) -> int:
     return max(1, min(max(width, MIN_CHUNK_CLASSES), vocab))
 
 
-# Input only (a frozen head): rows of every class a chunk, at most ROW_CHUNK_BYTES of logits, so
-# each row's lse is complete in the chunk and its d input written at once (2 matrix products).
-# The row passes take a warp a row: fewer rows starve them (H100, frozen Llama 3 8192 rows
-# a step: 64 MB chunks 40.4 ms, 128 MB 32.4, 256 MB 29.1; Gemma 2: 117, 62.8, 44.2).
+# Row chunks hold every class, so each row's lse is complete in its chunk: at most ROW_CHUNK_BYTES
+# of logits. The row passes take a warp a row: fewer rows starve them (H100, frozen Llama 3 8192
+# rows a step: 64 MB chunks 40.4 ms, 128 MB 32.4, 256 MB 29.1; Gemma 2: 117, 62.8, 44.2).
 ROW_CHUNK_BYTES = 1 << 28
 ROW_ALIGN = 128  # rows a chunk: whole tiles for the matrix products
+# d weight summed over row chunks is read and written once a chunk (V x H x 8 bytes): at least
+# SUM_CHUNK_ROWS rows a chunk keep that traffic small beside the products.
+SUM_CHUNK_ROWS = 4096
 
 
-def row_chunk_rows(vocab: int, element_size: int) -> int:
-    """Rows per chunk: ROW_CHUNK_BYTES of logits in whole ROW_ALIGN tiles, at least ROW_ALIGN."""
-    return max(ROW_CHUNK_BYTES // max(vocab * element_size, 1) // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
+def row_chunk_rows(vocab: int, element_size: int, summing: bool = False) -> int:
+    """Rows per chunk: ROW_CHUNK_BYTES of logits in whole ROW_ALIGN tiles, at least ROW_ALIGN
+    (SUM_CHUNK_ROWS where d weight is summed over the chunks)."""
+    rows = max(ROW_CHUNK_BYTES // max(vocab * element_size, 1) // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
+    return max(rows, SUM_CHUNK_ROWS) if summing else rows
 
 
-def choose_schedule(wants, shards, compiling: bool) -> str:
-    """The one choice of schedule, from which gradients are wanted (input, weight, bias):
-    "input_in_forward": input's alone, written with the loss a chunk of rows at a time;
-    "vocabulary_chunks": otherwise (and with a process group or under torch.compile): the
-    statistics a chunk of classes at a time, every gradient from the logits recomputed in backward."""
-    if tuple(wants) == (True, False, False) and shards is None and not compiling:
-        return "input_in_forward"
-    return "vocabulary_chunks"
+def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, compiling: bool,
+                    float32_weight_sum: bool = False) -> str:
+    """The one choice of schedule, from the gradients wanted (input, weight, bias) and where d
+    weight may be summed:
+    "rows": everything in the forward, a chunk of rows (every class) at a time: the loss, d input,
+      and d weight and d bias summed over the chunks in the accumulation type. Taken where that
+      sum is the gradient itself (a float32 master weight under autocast; float32 or float64
+      throughout) or float32_weight_sum asks for it (a V x H float32 buffer for 2-byte weights),
+      and for no d weight at all (eval, a frozen head): 1 to 3 matrix products.
+    "rows_then_classes": a 2-byte d weight, or reduction 'none' (whose per-row grad_output a sum
+      cannot take): the loss and d input by rows in the forward, d weight and d bias by chunks of
+      classes in backward, their logits recomputed: 4 products, one chunk of memory.
+    "classes": with a process group, under torch.compile, or for float16 gradients (whose range
+      cannot hold them before a loss scale multiplies them: grad_output comes in backward): the
+      statistics by chunks of classes, every gradient from the logits recomputed in backward."""
+    if shards is not None or compiling or (any(wants) and input_dtype == torch.float16):
+        return "classes"
+    sums_weight = wants[1] or wants[2]
+    if not sums_weight:
+        return "rows"
+    exact_sum = weight_dtype == helpers.accumulation_dtype(input_dtype) or float32_weight_sum
+    return "rows" if exact_sum and reduction != "none" else "rows_then_classes"
 
 
 def _chunks(weight, bias, width):
@@ -90,14 +108,23 @@ def _chunks(weight, bias, width):
         yield start, weight[start:end], None if bias is None else bias[start:end]
 
 
-def _add_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """total += a @ b, with total in the accumulation type."""
+def _add_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """total += a @ b, with total in the accumulation type; first: total = a @ b, total's old
+    values (uninitialized memory) never read."""
+    beta = 0 if first else 1
     if a.dtype == total.dtype:
-        total.addmm_(a, b)
+        total.addmm_(a, b, beta=beta)
     elif _ADDMM_OUT_DTYPE and a.is_cuda:
-        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
-    else:  # older torch: each chunk's product rounded once to the operands' dtype
+        torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype, out=total)
+    elif first:  # older torch: each chunk's product rounded once to the operands' dtype
+        total.copy_(a @ b)
+    else:
         total.add_(a @ b)
+
+
+def _counts(target, ignore_index: int, divisor):
+    """The rows a 'mean' divides by: those not ignored, or divisor (0-dim, the accumulation type)."""
+    return (target != ignore_index).sum() if divisor is None else divisor
 
 
 def fold_linear(x, weight, bias, target, start: int, softcap: float):
@@ -112,8 +139,9 @@ def fold_linear(x, weight, bias, target, start: int, softcap: float):
 
 def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats, row_scale,
                      label_smoothing: float, z_loss: float, softcap: float, wants):
-    """The gradients of input (in the accumulation type), weight and bias (None where wants says
-    no), the logits recomputed a chunk at a time; classes as write_gradient's."""
+    """The gradients of input (in the accumulation type), weight and bias (in the operands'
+    dtype; None where wants says no), the logits recomputed a chunk of classes at a time; classes
+    as write_gradient's."""
     acc = softmax_stats.dtype
     local = weight.shape[0]
     grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if wants[0] else None
@@ -130,51 +158,63 @@ def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats
             torch.mm(g.t(), x, out=grad_w[first:end])
         if wants[2]:
             torch.sum(g, 0, dtype=acc, out=grad_b[first:end])
-    return grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+    return grad_x, grad_w, grad_b
 
 
-def loss_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
-              reduction: str, shards=None):
-    """The forward: (loss, softmax_stats, count, classes) (row_passes.finish's), the loss reduced:
-    0-dim, or (N,) for 'none'."""
+def loss_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
+              softcap: float, reduction: str, shards=None):
+    """The "classes" forward: (loss, softmax_stats, count, classes) (row_passes.finish's; count
+    divisor where given), the loss reduced: 0-dim, or (N,) for 'none'."""
     stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap)
     loss, softmax_stats, count, classes = row_passes.finish(stats, target, ignore_index, weight.shape[0],
                                                             label_smoothing, z_loss, shards)
+    count = count if divisor is None else divisor
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, classes
 
 
-def input_gradient_pass(x, weight, bias, target, ignore_index: int, label_smoothing: float, z_loss: float,
-                        softcap: float, reduction: str):
-    """The "input_in_forward" schedule: (loss reduced, lse, input's gradient for a grad_output of 1),
-    a chunk of rows at a time: their logits, statistics and gradient (in place), then that
-    gradient times weight."""
+def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
+             softcap: float, reduction: str, wants):
+    """The "rows" forward, a chunk of rows at a time: their logits, statistics and loss, then their
+    gradient (in place) for a grad_output of 1, times weight into d input, and summed into d weight
+    and d bias (wants says which). Returns (loss reduced, softmax_stats, count, (d input, d weight,
+    d bias), None where not wanted; d weight and d bias in the accumulation type)."""
     rows, vocab = x.shape[0], weight.shape[0]
     acc = helpers.accumulation_dtype(x.dtype)
-    count = (target != ignore_index).sum()
+    count = _counts(target, ignore_index, divisor)
     one = torch.ones((), dtype=acc, device=x.device)
-    loss, lse = torch.empty(rows, dtype=acc, device=x.device), torch.empty(rows, dtype=acc, device=x.device)
-    grad_x = torch.empty_like(x)
-    height = row_chunk_rows(vocab, x.element_size())
+    loss = torch.empty(rows, dtype=acc, device=x.device)
+    softmax_stats = torch.empty(3, rows, dtype=acc, device=x.device)
+    grad_x = torch.empty_like(x) if wants[0] else None
+    # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
+    grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
+    grad_b = torch.zeros(vocab, dtype=acc, device=x.device) if wants[2] else None
+    height = row_chunk_rows(vocab, x.element_size(), summing=wants[1])
     for first in range(0, rows, height):
         end = min(first + height, rows)
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         stats = row_passes.new_stats(end - first, x.dtype, x.device)
         row_passes.fold_stats(z, t, 0, vocab, stats, softcap)
-        loss[first:end], softmax_stats, _ = row_passes.finish_loss(stats, t, ignore_index, vocab, label_smoothing,
-                                                                   z_loss)
-        lse[first:end] = row_passes.lse_of(softmax_stats)
-        row_scale = row_passes.row_scales(one, t, count, ignore_index, vocab, reduction, acc)
-        row_passes.write_gradient(z, z, t, 0, vocab, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
-        torch.mm(z, weight, out=grad_x[first:end])
+        loss[first:end], chunk_stats, _ = row_passes.finish_loss(stats, t, ignore_index, vocab, label_smoothing,
+                                                                 z_loss)
+        softmax_stats[:, first:end] = chunk_stats
+        if any(wants):
+            row_scale = row_passes.row_scales(one, t, count, ignore_index, vocab, reduction, acc)
+            row_passes.write_gradient(z, z, t, 0, vocab, chunk_stats, row_scale, label_smoothing, z_loss, softcap)
+        if wants[0]:
+            torch.mm(z, weight, out=grad_x[first:end])
+        if wants[1]:
+            _add_matmul_(grad_w, z.t(), x[first:end], first=first == 0)
+        if wants[2]:
+            grad_b += z.sum(0, dtype=acc)
         del z  # before the next chunk's logits: one chunk held at a time
-    return row_passes.reduce_loss(loss, count, reduction), lse, grad_x
+    return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, (grad_x, grad_w, grad_b)
 
 
 def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ignore_index: int,
                   label_smoothing: float, z_loss: float, softcap: float, reduction: str, wants, classes=None,
                   shards=None):
-    """The backward: the gradients of input, weight and bias (None where wants says no); classes
-    as loss_pass returned it (None: weight's V)."""
+    """The backward by chunks of classes: the gradients of input, weight and bias (None where
+    wants says no); classes as loss_pass returned it (None: weight's V)."""
     classes = weight.shape[0] if classes is None else classes
     row_scale = row_passes.row_scales(grad_output, target, count, ignore_index, classes, reduction,
                                       softmax_stats.dtype)
@@ -191,18 +231,18 @@ def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ig
 # loop with its out= products. (The row passes' kernels have compile ops of their own.) No
 # C++ side: these schemas are their only declaration.
 
-_LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
-                "float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
+_LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
+                "float label_smoothing, float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
 _GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor softmax_stats, Tensor count, "
                      "Tensor grad_output, int ignore_index, float label_smoothing, float z_loss, float softcap, "
                      "str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
 
 
-def _loss_fake(x, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
+def _loss_fake(x, weight, bias, target, divisor, ignore_index, label_smoothing, z_loss, softcap, reduction):
     acc = helpers.accumulation_dtype(x.dtype)
     shape = (x.shape[0],) if reduction == "none" else ()
     return (x.new_empty(shape, dtype=acc), x.new_empty((3, x.shape[0]), dtype=acc),
-            x.new_empty((), dtype=torch.int64))
+            x.new_empty((), dtype=torch.int64 if divisor is None else acc))
 
 
 def _loss_op(*args):
@@ -237,26 +277,34 @@ _COMPILE_LIBRARY = _define_compile_ops()  # the definitions last as long as the 
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(N, H) input, (V, H) weight, (V,) bias or None, (N,) class indices. Returns (loss, lse) in
-    the accumulation type: loss 0-dim for 'mean' and 'sum', (N,) for 'none'; lse (N,) without
-    gradient. options: (ignore_index, label_smoothing, z_loss, softcap or 0, reduction, shards,
-    schedule: choose_schedule's).
+    """(N, H) input, (V, H) weight, (V,) bias or None (of input's dtype, or float32 masters of a
+    2-byte input under autocast: cast here, their gradients returned in their dtype), (N,) class
+    indices, divisor: a 0-dim tensor in the accumulation type that 'mean' divides by, or None (the
+    rows not ignored). Returns (loss, lse) in the accumulation type: loss 0-dim for 'mean' and
+    'sum', (N,) for 'none'; lse (N,) without gradient. options: (ignore_index, label_smoothing,
+    z_loss, softcap or 0, reduction, shards, schedule (choose_schedule's), wants (input, weight, bias)).
     The caller casts the loss: a cast here that returns its input (float32) made torch.compile
     (torch 2.11) hand backward a grad_output of 0."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, options):
-        *arguments, shards, schedule = options
-        ctx.options = options
-        if schedule == "input_in_forward":
-            loss, lse, grad_x = input_gradient_pass(x, weight, bias, target, *arguments)
-            ctx.save_for_backward(grad_x)
-            return row_passes.forward_outputs(ctx, loss, lse)
+    def forward(ctx, x, weight, bias, target, divisor, options):
+        *arguments, shards, schedule, wants = options
+        ctx.options, ctx.dtypes = options, (weight.dtype, None if bias is None else bias.dtype)
+        weight = weight.to(x.dtype)  # autocast's copy of a float32 master, as eager's F.linear makes
+        bias = None if bias is None else bias.to(x.dtype)
+        if schedule != "classes":
+            in_forward = wants if schedule == "rows" else (wants[0], False, False)
+            loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward)
+            saved = (x, weight, bias, target, softmax_stats, count) if schedule == "rows_then_classes" else ()
+            ctx.save_for_backward(*grads, *saved)
+            ctx.scaled = False
+            return row_passes.forward_outputs(ctx, loss, row_passes.lse_of(softmax_stats))
         if shards is None and helpers.is_compiling():
-            loss, softmax_stats, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, *arguments)
+            loss, softmax_stats, count = torch.ops.fused_losses_linear_ce.loss(x, weight, bias, target, divisor,
+                                                                               *arguments)
             classes = weight.shape[0]
         else:
-            loss, softmax_stats, count, classes = loss_pass(x, weight, bias, target, *arguments, shards)
+            loss, softmax_stats, count, classes = loss_pass(x, weight, bias, target, divisor, *arguments, shards)
         row_passes.save_for_backward(ctx, (x, weight, bias, target, softmax_stats, count), classes)
         return row_passes.forward_outputs(ctx, loss, row_passes.lse_of(softmax_stats))
 
@@ -264,22 +312,48 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output, _):
         helpers.no_second_derivative("linear_cross_entropy")
         if grad_output is None:
-            return None, None, None, None, None
-        *arguments, shards, schedule = ctx.options
-        if schedule == "input_in_forward":  # written for a grad_output of 1: one pass over (N, H)
-            grad_x, = ctx.saved_tensors
-            scale = grad_output[:, None] if grad_output.dim() else grad_output
-            return grad_x * scale.to(grad_x.dtype), None, None, None, None
-        x, weight, bias, target, softmax_stats, count, classes = row_passes.saved_tensors(ctx)
-        wants = list(ctx.needs_input_grad[:3])
-        if shards is None and helpers.is_compiling():
-            grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, softmax_stats, count,
-                                                                grad_output, *arguments, wants)
-            grads = [grad if want else None for grad, want in zip(grads, wants)]
+            return None, None, None, None, None, None
+        *arguments, shards, schedule, wants = ctx.options
+        if schedule == "classes":
+            x, weight, bias, target, softmax_stats, count, classes = row_passes.saved_tensors(ctx)
+            if shards is None and helpers.is_compiling():
+                grads = torch.ops.fused_losses_linear_ce.gradients(x, weight, bias, target, softmax_stats, count,
+                                                                    grad_output, *arguments, list(wants))
+                grads = [grad if want else None for grad, want in zip(grads, wants)]
+            else:
+                grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *arguments,
+                                      wants, classes, shards)
         else:
-            grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *arguments, wants,
-                                  classes, shards)
-        return (*grads, None, None)
+            grads = _scaled_forward_gradients(ctx, grad_output)
+            if schedule == "rows_then_classes":
+                x, weight, bias, target, softmax_stats, count = ctx.saved_tensors[3:]
+                grads = (grads[0], *gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output,
+                                                  *arguments, (False, *wants[1:]))[1:])
+        grad_x, grad_w, grad_b = grads
+        return (grad_x, None if grad_w is None else grad_w.to(ctx.dtypes[0]),
+                None if grad_b is None else grad_b.to(ctx.dtypes[1]), None, None, None)
+
+
+def _scaled_forward_gradients(ctx, grad_output):
+    """The gradients the forward wrote for a grad_output of 1, times grad_output: in place for
+    a scalar loss (on CUDA no work at all for 1; so a second backward would scale them twice
+    and raises), a new tensor for 'none' (rows only: the forward summed nothing)."""
+    if ctx.scaled:
+        raise RuntimeError("linear_cross_entropy wrote its gradients in the forward and its backward scaled them: "
+                           "a second backward through the same call is not supported (retain_graph=True)")
+    grads = ctx.saved_tensors[:3]
+    if grad_output.dim():
+        return tuple(None if grad is None else grad * grad_output[:, None].to(grad.dtype) for grad in grads)
+    ctx.scaled = True
+    for grad in grads:
+        if grad is None or grad.numel() == 0:
+            continue
+        scale = grad_output.to(grad.dtype)
+        if grad.is_cuda:
+            helpers.kernel_ops("row_passes", grad).scale_by_grad_output_(grad, scale)
+        else:
+            grad.mul_(scale)
+    return grads
 
 
 # ----------------------------------------------------------------------------------
@@ -354,6 +428,15 @@ def _check_arguments(input, linear_weight, target, linear_bias, weight, reductio
     return probabilities
 
 
+def _check_divisor(divisor, reduction: str) -> None:
+    if divisor is None:
+        return
+    if reduction != "sum":
+        raise ValueError(f"divisor divides reduction='sum' (e.g. by num_items_in_batch); got reduction={reduction!r}")
+    if isinstance(divisor, torch.Tensor) and divisor.numel() != 1:
+        raise ValueError(f"divisor must be a number or a one-element tensor, got shape {tuple(divisor.shape)}")
+
+
 def _why_logits_whole(linear_weight, probabilities: bool, weight) -> str | None:
     """Why the row passes over chunks of classes cannot take the call, or None. Class weights and
     probabilities would need the engine's weighted statistics in the chunk loop: not wired (yet)."""
@@ -417,10 +500,10 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          reduction: str = "mean", ignore_index: int | None = None, label_smoothing: float = 0.0,
                          options=None, z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False,
-                         process_group=None, vocab_start: int | None = None):
+                         process_group=None, vocab_start: int | None = None, divisor=None):
     """torch 2.14's F.linear_cross_entropy: F.cross_entropy(F.linear(input, linear_weight,
     linear_bias), target, weight=weight, ...), same signature and results, without the (N, C)
-    logits in memory: a chunk of the classes at a time, the logits computed again in backward.
+    logits in memory: a chunk of rows or of classes at a time (choose_schedule's schedules).
 
     input (H) or (N, H), and beyond torch (..., H); linear_weight (C, H); linear_bias (C,);
     target: class indices (int64, and beyond torch int32) of shape input.shape[:-1], or class
@@ -439,9 +522,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here it
     changes no result. Its chunk sizes (batch_chunk_size, chunking_method) are ignored: chunks
     here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" maps to
-    summing d linear_weight in float32 (_from_torch_options), not acted on yet: each chunk of it is
-    one matrix product. acc_dtype is ignored (sums are float32, float64 for float64), and so is
-    allow_retain_graph (retain_graph=True always works).
+    summing d linear_weight in float32 (_from_torch_options), not passed on yet. acc_dtype is
+    ignored (sums are float32, float64 for float64), and so is allow_retain_graph: a second
+    backward through a call whose forward wrote its gradients raises.
 
     Ours, keywords after torch's: z_loss and return_lse as in cross_entropy (lse in target's
     shape for class indices, float32); softcap: the logits become softcap * tanh(logits /
@@ -450,11 +533,14 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     of the classes (first class vocab_start, by default rank * C_r), as cross_entropy's; input is
     the same on every rank and target holds global class ids. The loss equals the unsharded one;
     linear_weight's and linear_bias's gradients are this shard's; input's is summed over the
-    group (one more all-reduce, of N x H, in backward). Under CUDA autocast the linear runs in
+    group (one more all-reduce, of N x H, in backward). divisor (with reduction='sum'): the sum
+    divided by it, a number or a 0-dim tensor, e.g. a Hugging Face trainer's num_items_in_batch;
+    in the forward's gradients, so it costs no pass. Under CUDA autocast the linear runs in
     autocast's dtype and the loss is float32, as torch's.
     """
     probabilities = _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                      label_smoothing, z_loss, softcap)
+    _check_divisor(divisor, reduction)
     _from_torch_options(options)  # checked; see the docstring for what maps
     why_whole = _why_logits_whole(linear_weight, probabilities, weight)
     if process_group is not None and why_whole is not None:
@@ -470,24 +556,28 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         why_whole = "a torch.func transform"  # tensors without storage: torch's ops take them
     if why_whole is not None:
         helpers.check_fallback_allowed("linear_cross_entropy", why_whole + " take the logits whole", input)
-        return _logits_whole(input, linear_weight, target, linear_bias, weight, probabilities, reduction, ignore_index,
-                             label_smoothing, z_loss, softcap, return_lse)
+        result = _logits_whole(input, linear_weight, target, linear_bias, weight, probabilities, reduction,
+                               ignore_index, label_smoothing, z_loss, softcap, return_lse)
+        if divisor is None:
+            return result
+        return (result[0] / divisor, result[1]) if return_lse else result / divisor
     weight, bias = linear_weight, linear_bias  # from here on the engine's names: weight is the linear layer's
     float_loss = False
-    if helpers.under_autocast(input):  # F.linear in autocast's dtype, the loss in float32
-        dtype = helpers.autocast_dtype()
-        input, weight = input.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    if helpers.under_autocast(input):  # F.linear in autocast's dtype (the Function casts weight), the loss in float32
+        input = input.to(helpers.autocast_dtype())
         float_loss = True
     with torch.autocast(input.device.type, enabled=False):
         rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
         shards = (None if process_group is None else
                   vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows))
-        wants = [helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias)]
-        schedule = choose_schedule(wants, shards, helpers.is_compiling())
-        loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, (
+        wants = tuple(helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias))
+        if divisor is not None:  # 'mean' over divisor's count
+            reduction = "mean"
+            divisor = torch.as_tensor(divisor).to(device=input.device, dtype=helpers.accumulation_dtype(input.dtype))
+        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, helpers.is_compiling())
+        loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
-            schedule))
+            schedule, wants))
         loss = loss.to(torch.float32 if float_loss else input.dtype)
     if input.dim() == 1 and reduction == "mean" and not label_smoothing and input.is_cuda:
         # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0: as cross_entropy's.

@@ -17,7 +17,8 @@
 //             row's scale (grad_output times the reduction's
 //             factor; 0 for an ignored row, whose gradient is written as 0; NaN for a
 //             class outside [0, classes), which the forward marked NaN).
-// Bytes per logit (b = element size): stats b, gradient 2b. One warp per row.
+// Bytes per logit (b = element size): stats b, gradient 2b. One warp a row, or a block a row
+// where the rows are few (warps_per_row).
 
 #include <type_traits>
 
@@ -28,7 +29,8 @@
 
 namespace fused_losses {
 
-constexpr int kChunkThreads = 256;  // 8 rows a block
+constexpr int kChunkThreads = 256;  // 8 warps a block
+constexpr int kChunkWarps = kChunkThreads / 32;
 
 constexpr int kUnroll = 4;          // packs a lane loads before it uses the first
 
@@ -86,41 +88,58 @@ __device__ __forceinline__ int64_t target_of(const void* target, bool target_int
   return target_int32 ? static_cast<const int32_t*>(target)[row] : static_cast<const int64_t*>(target)[row];
 }
 
-// This warp's row: one warp a row, kChunkThreads / 32 rows a block.
-__device__ __forceinline__ int64_t warp_row() {
-  return int64_t(blockIdx.x) * (kChunkThreads / 32) + threadIdx.x / 32;
+// Where a row's packs go: `parts` warps a row (1, or kChunkWarps: the block), this thread the
+// `lane`th of the row's 32 * parts.
+struct RowShare {
+  int64_t row;
+  int lane, parts;
+};
+
+__device__ __forceinline__ RowShare row_share(int parts) {
+  const int warp = threadIdx.x / 32;
+  return {int64_t(blockIdx.x) * (kChunkWarps / parts) + warp / parts, (warp % parts) * 32 + int(threadIdx.x % 32),
+          parts};
 }
 
-// body(pack, i) for each of this lane's packs of a row `width` long, i the pack's first element;
-// kUnroll packs are loaded before the first is used.
+// body(pack, i) for each of this thread's packs of a row `width` long, i the pack's first
+// element; kUnroll packs are loaded before the first is used.
 template <typename T, int VEC, typename Body>
-__device__ __forceinline__ void for_each_lane_pack(const T* row, int64_t width, Body body) {
-  for (int64_t first = int64_t(threadIdx.x % 32) * VEC; first < width; first += 32 * VEC * kUnroll) {
+__device__ __forceinline__ void for_each_lane_pack(const T* row, int64_t width, RowShare share, Body body) {
+  const int64_t step = int64_t(32) * share.parts * VEC;  // between one thread's packs
+  for (int64_t first = int64_t(share.lane) * VEC; first < width; first += step * kUnroll) {
     Pack<T, VEC> packs[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (first + u * 32 * VEC < width) packs[u] = load_pack<T, VEC>(row + first + u * 32 * VEC);
+      if (first + u * step < width) packs[u] = load_pack<T, VEC>(row + first + u * step);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (first + u * 32 * VEC >= width) break;
-      body(packs[u], first + u * 32 * VEC);
+      if (first + u * step >= width) break;
+      body(packs[u], first + u * step);
     }
   }
 }
 
+// A row's reduction over its warps (parts is the same across the block: the barriers are too).
+template <typename T, typename Combine>
+__device__ __forceinline__ T row_allreduce(T value, Combine combine, T identity, int parts, T* scratch) {
+  return parts == 1 ? warp_allreduce(value, combine) : block_allreduce(value, combine, identity, scratch);
+}
+
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitChunkCall call) {
+__global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitChunkCall call, int parts) {
   using acc_t = acc_type<T>;
+  __shared__ acc_t scratch[32];
   wait_for_previous_kernel();
-  const int64_t row = warp_row();
-  if (row >= call.rows) return;
+  const RowShare share = row_share(parts);
+  const int64_t row = share.row;
+  if (row >= call.rows) return;  // a block a row has none past the end: no barrier skipped
   const Softcap<T> softcap(call.softcap);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
   // Per lane: a running max and sums of exp (all classes, the others), rescaled once per pack.
   acc_t m = -infinity<acc_t>(), s = 0, others = 0, sum = 0;
-  for_each_lane_pack<T, VEC>(z, call.width, [&](const Pack<T, VEC>& pack, int64_t i) {
+  for_each_lane_pack<T, VEC>(z, call.width, share, [&](const Pack<T, VEC>& pack, int64_t i) {
     acc_t v[VEC];
     acc_t pack_max = -infinity<acc_t>();
 #pragma unroll
@@ -142,13 +161,13 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
       others += i + k == t ? acc_t(0) : e;
     }
   });
-  // The warp's max, each lane's sum moved onto it, then the row's.
-  const acc_t row_max = warp_allreduce(m, MaxOp());
+  // The row's max, each lane's sum moved onto it, then the row's.
+  const acc_t row_max = row_allreduce(m, MaxOp(), -infinity<acc_t>(), parts, scratch);
   const acc_t to_row = m == row_max ? acc_t(1) : exp_minus<T>(m, row_max);
-  s = warp_allreduce(s * to_row, SumOp<acc_t>());
-  others = warp_allreduce(others * to_row, SumOp<acc_t>());
-  sum = warp_allreduce(sum, SumOp<acc_t>());
-  if (threadIdx.x % 32 != 0) return;
+  s = row_allreduce(s * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch);
+  others = row_allreduce(others * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch);
+  sum = row_allreduce(sum, SumOp<acc_t>(), acc_t(0), parts, scratch);
+  if (share.lane != 0) return;
   acc_t* stats = static_cast<acc_t*>(call.stats);
   acc_t& run_max = stats[row];
   acc_t& run_sum = stats[call.rows + row];
@@ -165,10 +184,11 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
 }
 
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(LogitChunkCall call) {
+__global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(LogitChunkCall call, int parts) {
   using acc_t = acc_type<T>;
   wait_for_previous_kernel();
-  const int64_t row = warp_row();
+  const RowShare share = row_share(parts);
+  const int64_t row = share.row;
   if (row >= call.rows) return;
   const Softcap<T> softcap(call.softcap);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
@@ -184,7 +204,7 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
                                                     : static_cast<acc_t>(call.classes);
   const acc_t b = r * eps / classes;
   const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
-  for_each_lane_pack<T, VEC>(z, call.width, [&](Pack<T, VEC> pack, int64_t i) {
+  for_each_lane_pack<T, VEC>(z, call.width, share, [&](Pack<T, VEC> pack, int64_t i) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       acc_t slope;
@@ -199,6 +219,12 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
   });
 }
 
+// Warps a row: one, or the whole block where the rows are too few for a warp each to keep the
+// memory busy (H100, 1024 rows of 128256 bf16 logits a chunk: see notes/performance.md).
+int warps_per_row(int64_t rows, int device) {
+  return rows < int64_t(multiprocessor_count(device)) * 32 ? kChunkWarps : 1;
+}
+
 template <typename Pick>
 void launch_logit_chunk(const LogitChunkCall& call, const LaunchContext& context, Pick pick) {
   if (call.rows == 0 || call.width == 0) return;
@@ -208,8 +234,10 @@ void launch_logit_chunk(const LogitChunkCall& call, const LaunchContext& context
     const bool vector_ok = is_aligned16(call.logits) && (call.grad == nullptr || is_aligned16(call.grad)) &&
                            call.width % VEC == 0;
     auto kernel = vector_ok ? pick(tag, std::integral_constant<int, VEC>{}) : pick(tag, std::integral_constant<int, 1>{});
-    const int64_t blocks = (call.rows + kChunkThreads / 32 - 1) / (kChunkThreads / 32);
-    launch_kernel(kernel, blocks, kChunkThreads, 0, 1, context.device, context.stream, call);
+    const int parts = warps_per_row(call.rows, context.device);
+    const int64_t rows_a_block = kChunkWarps / parts;
+    launch_kernel(kernel, (call.rows + rows_a_block - 1) / rows_a_block, kChunkThreads, 0, 1, context.device,
+                  context.stream, call, parts);
   });
 }
 

@@ -62,29 +62,71 @@ def small_chunks(monkeypatch):
     """16 classes a chunk: 50 classes span four chunks, the last one 2 wide (the kernels' unvectorized
     path); 3 rows a row chunk: 10 rows span four, the last one row."""
     monkeypatch.setattr(linear_cross_entropy, "chunk_width", lambda rows, vocab, element_size: 16)
-    monkeypatch.setattr(linear_cross_entropy, "row_chunk_rows", lambda vocab, element_size: 3)
+    monkeypatch.setattr(linear_cross_entropy, "row_chunk_rows", lambda vocab, element_size, summing=False: 3)
 
 
-# The gradients wanted pick the schedule: every one (vocabulary chunks), or input's alone (a frozen
-# head: row chunks, input's gradient in the forward).
-GRADS_OF = {"input, weight and bias": (0, 1, 3), "input alone": (0,)}
+# The gradients wanted pick the schedule (choose_schedule): for input's alone (a frozen head), or
+# with d weight in the accumulation type, the rows; a 2-byte d weight, or 'none' with d weight,
+# the rows then chunks of classes in backward.
+GRADS_OF = {"input, weight and bias": (0, 1, 3), "input alone": (0,), "weight alone": (1,)}
+
+
+def schedule_of(options, inputs, grad_of):
+    x, w, t, b = inputs
+    wants = tuple(i in grad_of for i in (0, 1, 3))
+    return linear_cross_entropy.choose_schedule(wants, options["reduction"], w.dtype, x.dtype, None, False)
 
 
 def check_schedule(options, inputs, grad_of, monkeypatch):
-    """check_against_float64 of a case, and that the schedule the wanted gradients call for ran."""
+    """check_against_float64 of a case, and that the passes of the schedule it calls for ran."""
     ran = []
-    input_pass = linear_cross_entropy.input_gradient_pass
-    monkeypatch.setattr(linear_cross_entropy, "input_gradient_pass", lambda *args: ran.append(1) or input_pass(*args))
+    for name in ("row_pass", "loss_pass", "gradient_pass"):
+        monkeypatch.setattr(linear_cross_entropy, name,
+                            lambda *args, _name=name, _pass=getattr(linear_cross_entropy, name): ran.append(_name)
+                            or _pass(*args))
     check_against_float64(fused(options), reference(options), inputs, grad_of=grad_of, case=str(options))
-    assert bool(ran) == (grad_of == (0,))
+    schedule = schedule_of(options, inputs, grad_of)
+    expected = {"rows": {"row_pass"}, "rows_then_classes": {"row_pass", "gradient_pass"},
+                "classes": {"loss_pass", "gradient_pass"}}[schedule]
+    assert expected <= set(ran), (set(ran), expected)  # beside the no-grad call's passes (eval)
+    assert schedule != "rows" or "gradient_pass" not in ran
 
 
-def test_the_schedule_follows_the_wanted_gradients():
-    assert linear_cross_entropy.choose_schedule((True, False, False), None, False) == "input_in_forward"
-    for wants, shards, compiling in (((True, True, False), None, False), ((True, False, True), None, False),
-                                     ((False, False, False), None, False), ((True, False, False), object(), False),
-                                     ((True, False, False), None, True)):
-        assert linear_cross_entropy.choose_schedule(wants, shards, compiling) == "vocabulary_chunks"
+def test_the_schedule_follows_the_wanted_gradients_and_their_dtype():
+    choose = linear_cross_entropy.choose_schedule
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert choose((False, False, False), "mean", bf16, bf16, None, False) == "rows"  # eval
+    assert choose((True, False, False), "none", bf16, bf16, None, False) == "rows"  # frozen head
+    assert choose((True, True, True), "mean", f32, bf16, None, False) == "rows"  # float32 master weight
+    assert choose((True, True, False), "sum", f32, f32, None, False) == "rows"
+    assert choose((True, True, False), "mean", bf16, bf16, None, False, float32_weight_sum=True) == "rows"
+    assert choose((True, True, False), "mean", bf16, bf16, None, False) == "rows_then_classes"
+    assert choose((False, False, True), "mean", bf16, bf16, None, False) == "rows_then_classes"
+    assert choose((True, True, False), "none", f32, f32, None, False) == "rows_then_classes"
+    assert choose((True, False, False), "mean", bf16, bf16, object(), False) == "classes"  # a process group
+    assert choose((True, False, False), "mean", bf16, bf16, None, True) == "classes"  # torch.compile
+    assert choose((True, False, False), "mean", torch.float16, torch.float16, None, False) == "classes"
+    assert choose((False, False, False), "mean", torch.float16, torch.float16, None, False) == "rows"
+
+
+@pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
+@pytest.mark.parametrize("divisor", [7, torch.tensor(7.0), torch.tensor(7)], ids=["int", "float tensor", "int tensor"])
+def test_divisor_divides_the_sum(divisor, grad_of, small_chunks):
+    """num_items_in_batch's reduction: the sum over divisor, in the forward's gradients."""
+    options = dict(reduction="sum", label_smoothing=0.1, z_loss=1e-2, softcap=5.0)
+    check_against_float64(lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, linear_bias=b, divisor=divisor,
+                                                                         **options),
+                          lambda x, w, t, b: reference(options)(x, w, t, b) / 7, make_inputs((2, 5), 16, 50,
+                                                                                             torch.float32, "cpu"),
+                          grad_of=grad_of)
+
+
+def test_a_second_backward_of_forward_written_gradients_raises():
+    x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
+    loss = losses.linear_cross_entropy(x.requires_grad_(), w, t, linear_bias=b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
@@ -196,6 +238,9 @@ lce = losses.linear_cross_entropy
     ("softcap", lambda x, w, t, b: lce(x, w, t, linear_bias=b, softcap=0.0), "softcap"),
     ("smoothing", lambda x, w, t, b: lce(x, w, t, linear_bias=b, label_smoothing=-0.1), "smoothing"),
     ("reduction", lambda x, w, t, b: lce(x, w, t, linear_bias=b, reduction="batchmean"), "reduction"),
+    ("divisor", lambda x, w, t, b: lce(x, w, t, linear_bias=b, divisor=4), "divisor divides"),
+    ("divisor shape", lambda x, w, t, b: lce(x, w, t, linear_bias=b, reduction="sum", divisor=torch.ones(2)),
+     "one-element"),
 ])
 def test_bad_input_raises_before_any_work(case, call, message, monkeypatch):
     monkeypatch.setattr(F, "linear", lambda *args: _raise(AssertionError("work began before the checks")))
@@ -238,11 +283,12 @@ def test_matches_float64_on_cuda(options, dtype, grad_of, small_chunks, monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vocab", [50257, 4096 + 3])
-def test_default_chunks_on_cuda(vocab):
-    """The chunk width the product picks, with a short, odd last chunk."""
+@pytest.mark.parametrize("rows,vocab", [(21, 50257), (21, 4096 + 3), (6000, 300)])
+def test_default_chunks_on_cuda(rows, vocab):
+    """The chunk width the product picks, with a short, odd last chunk; the row passes with a
+    block a row (few rows) and a warp a row (6000: more than 32 a multiprocessor)."""
     options = dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=30.0)
-    inputs = make_inputs((3, 7), 64, vocab, torch.bfloat16, "cuda")
+    inputs = make_inputs((rows,), 64, vocab, torch.bfloat16, "cuda")
     check_against_float64(fused(options), reference(options), inputs, grad_of=(0, 1, 3), case=str(vocab))
 
 
@@ -273,10 +319,12 @@ def test_same_bits_every_run_and_no_host_sync():
 
 @pytest.mark.gpu
 def test_the_logits_never_exist_whole(monkeypatch):
-    """Peak memory of a training step beyond its inputs and gradients: one chunk of logits and
-    d input in float32 (plus the matrix products' workspace), where eager holds all N x V logits."""
+    """Peak memory of a bf16 training step beyond its inputs and gradients: a chunk of rows in the
+    forward, a chunk of classes in backward (plus the matrix products' workspace), where eager
+    holds all N x V logits."""
     monkeypatch.setattr(linear_cross_entropy, "CHUNK_BYTES", 1 << 22)
     monkeypatch.setattr(linear_cross_entropy, "MIN_CHUNK_CLASSES", 1024)
+    monkeypatch.setattr(linear_cross_entropy, "ROW_CHUNK_BYTES", 1 << 23)
     rows, hidden, vocab = 2048, 256, 32000  # logits: 131 MB in bf16
     x, w, t, b = leaf_inputs((rows,), hidden, vocab, torch.bfloat16, "cuda")
     _training_step(x, w, t, b)  # builds and warms up
@@ -287,8 +335,30 @@ def test_the_logits_never_exist_whole(monkeypatch):
     _training_step(x, w, t, b)
     gradients = sum(tensor.numel() * tensor.element_size() for tensor in (x, w, b))
     extra = torch.cuda.max_memory_allocated() - before - gradients
-    allowed = 2 * (1 << 22) + rows * hidden * 4 + (16 << 20)  # slack: the matrix products' workspace
+    allowed = (1 << 23) + (1 << 22) + (16 << 20)  # slack: the matrix products' workspace, the rows' statistics
     assert extra <= allowed, f"{extra / 2**20:.1f} MB beyond the gradients, expected at most {allowed / 2**20:.1f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_of", [(0, 1, 3), (1,)], ids=["input, weight and bias", "weight alone"])
+def test_a_float32_master_weight_under_autocast(grad_of, monkeypatch):
+    """AMP: float32 weight and bias, bf16 autocast: F.linear in bf16 as eager's, d weight and d bias
+    summed in float32 over chunks of rows (the gradient itself, returned float32), in the forward."""
+    monkeypatch.setattr(linear_cross_entropy, "row_chunk_rows", lambda vocab, element_size, summing=False: 128)
+    ran = []
+    row_pass = linear_cross_entropy.row_pass
+    monkeypatch.setattr(linear_cross_entropy, "row_pass", lambda *args: ran.append(1) or row_pass(*args))
+    options = dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=30.0)
+
+    def autocast(fn):
+        def call(*args):
+            with torch.autocast("cuda", torch.bfloat16):
+                return fn(*args)
+        return call
+
+    inputs = make_inputs((3, 150), 64, 1000, torch.float32, "cuda")
+    check_against_float64(autocast(fused(options)), autocast(reference(options)), inputs, grad_of=grad_of)
+    assert ran
 
 
 @pytest.mark.gpu
@@ -446,6 +516,13 @@ def test_the_fallback_matches_the_definition_on_any_torch(case, dtype, monkeypat
     assert_path_taken(case)
 
 
+def test_the_fallback_divides_by_divisor():
+    x, w, t, b = make_case((11,), 8, 5, torch.float64, probabilities=True)
+    loss, lse = losses.linear_cross_entropy(x, w, t, linear_bias=b, reduction="sum", divisor=7, return_lse=True)
+    torch.testing.assert_close(loss, definition(x, w, t, b, reduction="sum") / 7)
+    torch.testing.assert_close(lse, torch.logsumexp(F.linear(x, w, b), -1))
+
+
 def test_the_fallback_returns_the_lse_in_targets_shape():
     x, w, t, b = make_case((2, 5), 8, 6, torch.float64, probabilities=True)
     loss, lse = losses.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none", return_lse=True)
@@ -579,18 +656,6 @@ def test_without_torchs_options_class_options_are_read_where_they_map():
     assert linear_cross_entropy._from_torch_options(options) == {"accumulate_weight_grad_in_float32": True}
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     assert torch.equal(losses.linear_cross_entropy(x, w, t, options=options), losses.linear_cross_entropy(x, w, t))
-
-
-@pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
-def test_a_second_backward_with_retain_graph_gives_the_same_gradients(grad_of):
-    """What torch's allow_retain_graph asks for: our backward consumes nothing it saved."""
-    inputs = make_inputs((6,), 8, 20, torch.float64, "cpu")
-    leaves = [tensor.requires_grad_(index in grad_of) for index, tensor in enumerate(inputs)]
-    loss = losses.linear_cross_entropy(leaves[0], leaves[1], leaves[2], linear_bias=leaves[3])
-    wanted = [leaves[index] for index in grad_of]
-    first = torch.autograd.grad(loss, wanted, retain_graph=True)
-    for got, want in zip(torch.autograd.grad(loss, wanted), first):
-        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
