@@ -365,17 +365,18 @@ _SIGNATURE = ("linear_cross_entropy(input, linear_weight, target, *, linear_bias
 
 
 def _from_torch_options(options) -> dict:
-    """What of torch's LinearCrossEntropyOptions maps onto this implementation, as keyword arguments:
-    acc_policy "accurate" (d linear_weight summed in float32) -> accumulate_weight_grad_in_float32=True;
-    "compact" and "auto" -> False. Nothing else maps: batch_chunk_size and chunking_method (chunks
-    here follow a memory rule: chunk_width, row_chunk_rows), acc_dtype (sums here are float32,
-    float64 for float64), allow_retain_graph (backward here consumes nothing: retain_graph always
-    works). Raises unless options is None or, where torch has the class, one of its instances."""
+    """What of torch's LinearCrossEntropyOptions maps onto this implementation, as choose_schedule's
+    keyword arguments: acc_policy "accurate" (d linear_weight summed in float32) ->
+    float32_weight_sum=True; "compact" and "auto" -> False. Nothing else maps: batch_chunk_size and
+    chunking_method (chunks here follow a memory rule: chunk_width, row_chunk_rows), acc_dtype (sums
+    here are float32, float64 for float64), allow_retain_graph (a second backward through gradients
+    the forward wrote raises here). Raises unless options is None or, where torch has the class,
+    one of its instances."""
     if options is None:
         return {}
     if _TORCH_OPTIONS is not None and not isinstance(options, _TORCH_OPTIONS):
         raise ValueError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got {type(options).__name__}")
-    return {"accumulate_weight_grad_in_float32": getattr(options, "acc_policy", "auto") == "accurate"}
+    return {"float32_weight_sum": getattr(options, "acc_policy", "auto") == "accurate"}
 
 
 def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
@@ -521,10 +522,11 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
 
     options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here it
     changes no result. Its chunk sizes (batch_chunk_size, chunking_method) are ignored: chunks
-    here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" maps to
-    summing d linear_weight in float32 (_from_torch_options), not passed on yet. acc_dtype is
-    ignored (sums are float32, float64 for float64), and so is allow_retain_graph: a second
-    backward through a call whose forward wrote its gradients raises.
+    here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" (d
+    linear_weight summed in float32) is choose_schedule's float32_weight_sum: a 2-byte
+    linear_weight's gradient summed over chunks of rows in a float32 buffer (C x H x 4 bytes), in
+    the forward. acc_dtype is ignored (sums are float32, float64 for float64), and so is
+    allow_retain_graph: a second backward through a call whose forward wrote its gradients raises.
 
     Ours, keywords after torch's: z_loss and return_lse as in cross_entropy (lse in target's
     shape for class indices, float32); softcap: the logits become softcap * tanh(logits /
@@ -541,7 +543,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     probabilities = _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                      label_smoothing, z_loss, softcap)
     _check_divisor(divisor, reduction)
-    _from_torch_options(options)  # checked; see the docstring for what maps
+    schedule_options = _from_torch_options(options)
     why_whole = _why_logits_whole(linear_weight, probabilities, weight)
     if process_group is not None and why_whole is not None:
         raise ValueError(f"process_group takes class indices without class weights and a (C, H) linear_weight, got "
@@ -574,7 +576,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         if divisor is not None:  # 'mean' over divisor's count
             reduction = "mean"
             divisor = torch.as_tensor(divisor).to(device=input.device, dtype=helpers.accumulation_dtype(input.dtype))
-        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, helpers.is_compiling())
+        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, helpers.is_compiling(),
+                                   **schedule_options)
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
             schedule, wants))

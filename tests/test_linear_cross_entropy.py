@@ -627,8 +627,9 @@ def test_the_module_matches_torchs(config):
 
 @pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is None, reason="torch < 2.14: no LinearCrossEntropyOptions")
 def test_torchs_options_change_no_result():
-    """Chunk sizes and accumulation options are torch's chunked path's; ours gives the same bits with any.
-    acc_policy="accurate" maps to a float32 sum of d linear_weight; options of another type raise."""
+    """Chunk sizes and accumulation options are torch's chunked path's; ours gives the same bits with any
+    (float32: d linear_weight is summed in float32 anyway). acc_policy="accurate" maps to a float32 sum
+    of d linear_weight; options of another type raise."""
     options_class = torch.nn.LinearCrossEntropyOptions
     x, w, t, b = make_inputs((6,), 8, 20, torch.float32, "cpu")
     x.requires_grad_(), w.requires_grad_()
@@ -645,7 +646,7 @@ def test_torchs_options_change_no_result():
     assert linear_cross_entropy._from_torch_options(None) == {}
     for policy, float32 in (("accurate", True), ("compact", False), ("auto", False)):
         mapped = linear_cross_entropy._from_torch_options(options_class(acc_policy=policy))
-        assert mapped == {"accumulate_weight_grad_in_float32": float32}
+        assert mapped == {"float32_weight_sum": float32}
     with pytest.raises(ValueError, match="options must be None or a torch.nn.LinearCrossEntropyOptions"):
         losses.linear_cross_entropy(x, w, t, options={"acc_policy": "accurate"})
 
@@ -653,9 +654,26 @@ def test_torchs_options_change_no_result():
 @pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is not None, reason="torch has LinearCrossEntropyOptions")
 def test_without_torchs_options_class_options_are_read_where_they_map():
     options = types.SimpleNamespace(acc_policy="accurate", batch_chunk_size=2)
-    assert linear_cross_entropy._from_torch_options(options) == {"accumulate_weight_grad_in_float32": True}
+    assert linear_cross_entropy._from_torch_options(options) == {"float32_weight_sum": True}
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     assert torch.equal(losses.linear_cross_entropy(x, w, t, options=options), losses.linear_cross_entropy(x, w, t))
+
+
+def test_acc_policy_accurate_sums_a_bfloat16_weights_gradient_in_float32(small_chunks, monkeypatch):
+    """torch's acc_policy="accurate": d linear_weight summed in float32 over chunks of rows in the forward (the
+    "rows" schedule), where a bfloat16 weight otherwise takes "rows_then_classes"."""
+    options = (torch.nn.LinearCrossEntropyOptions(acc_policy="accurate") if linear_cross_entropy._TORCH_OPTIONS
+               else types.SimpleNamespace(acc_policy="accurate"))
+    schedules = []
+    choose = linear_cross_entropy.choose_schedule
+    monkeypatch.setattr(linear_cross_entropy, "choose_schedule",
+                        lambda *args, **kwargs: schedules.append(choose(*args, **kwargs)) or schedules[-1])
+    inputs = make_inputs((2, 5), 16, 50, torch.bfloat16, "cpu")
+    check_against_float64(lambda x, w, t, b: losses.linear_cross_entropy(x, w, t, linear_bias=b, options=options),
+                          reference(OPTIONS[0]), inputs, grad_of=(1, 3))
+    assert schedules[0] == "rows"
+    losses.linear_cross_entropy(inputs[0], inputs[1].requires_grad_(), inputs[2])  # the forward alone
+    assert schedules[-1] == "rows_then_classes"
 
 
 @pytest.mark.gpu
