@@ -439,8 +439,8 @@ def _check_divisor(divisor, reduction: str) -> None:
 
 
 def _why_logits_whole(linear_weight, probabilities: bool, weight) -> str | None:
-    """Why the row passes over chunks of classes cannot take the call, or None. Class weights and
-    probabilities would need the engine's weighted statistics in the chunk loop: not wired (yet)."""
+    """Why the row passes over chunks of rows or classes cannot take the call, or None. Class weights
+    and probabilities would need the engine's weighted statistics in the chunk loops: not wired (yet)."""
     if linear_weight.dim() > 2:
         return "a K-dimensional linear_weight"
     if probabilities:
@@ -513,15 +513,15 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     A class index outside [0, C) (not ignore_index) raises IndexError on CPU, as torch's; on
     CUDA it gives NaN for its row (a check would sync every call), as with process_group.
 
-    Fused (the row passes over chunks of classes): class indices without class weights, every
-    reduction, ignore_index, label_smoothing and ours below. The fallback, the logits whole then
+    Fused (the row passes over chunks): class indices without class weights, every reduction,
+    ignore_index, label_smoothing and ours below. The fallback, the logits whole then
     cross_entropy (torch ops, or our fused cross_entropy on them on CUDA, where
     FUSED_LOSSES_STRICT=1 makes it raise): class weights and probability targets (their weighted
-    statistics are not wired into the chunk loop), a K-dimensional linear_weight (C, d1, ..., dK,
+    statistics are not wired into the chunk loops), a K-dimensional linear_weight (C, d1, ..., dK,
     H) with bias (C, d1, ..., dK) and input (N, H), and calls under a torch.func transform.
 
-    options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here it
-    changes no result. Its chunk sizes (batch_chunk_size, chunking_method) are ignored: chunks
+    options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here only
+    acc_policy counts. Its chunk sizes (batch_chunk_size, chunking_method) are ignored: chunks
     here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" (d
     linear_weight summed in float32) is choose_schedule's float32_weight_sum: a 2-byte
     linear_weight's gradient summed over chunks of rows in a float32 buffer (C x H x 4 bytes), in
