@@ -9,6 +9,6 @@ Copied into a project as a package (any folder name):
 if __package__:
     from . import loader, losses
     from .losses import (CrossEntropyLoss, KLDivLoss, LinearCrossEntropyLoss, MSELoss, cross_entropy,  # noqa: F401
-                         kl_div, linear_cross_entropy, mse_loss)
+                         fuse_causal_lm_loss, kl_div, linear_cross_entropy, mse_loss)
 
     __all__ = ["loader", "losses", *losses.__all__]

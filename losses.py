@@ -18,22 +18,25 @@ autograd Functions, compile ops); this file only hands their names on:
     mse.py, kl_div.py            on pointwise_loss.py (kernels/pointwise.cuh's engine)
     cross_entropy.py             its paths; softcap and vocab_parallel.py on row_passes.py
     linear_cross_entropy.py      linear + cross-entropy on row_passes.py
+    causal_lm.py                 fuse_causal_lm_loss: a transformers causal LM's loss through it
     loss_helpers.py, op_signatures.py, loader.py   what they share, each op's declaration, builds
 """
 from __future__ import annotations
 
 if __package__:  # copied into a project as a package: from fused_losses import losses
     from . import loader  # noqa: F401  (losses.loader: the notebook's reload)
+    from .causal_lm import fuse_causal_lm_loss
     from .cross_entropy import CrossEntropyLoss, cross_entropy
     from .kl_div import KLDivLoss, kl_div
     from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
     from .mse import MSELoss, mse_loss
 else:  # a plain folder on sys.path, or a notebook's working directory: import losses
     import loader  # noqa: F401
+    from causal_lm import fuse_causal_lm_loss
     from cross_entropy import CrossEntropyLoss, cross_entropy
     from kl_div import KLDivLoss, kl_div
     from linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
     from mse import MSELoss, mse_loss
 
 __all__ = ["cross_entropy", "kl_div", "mse_loss", "linear_cross_entropy", "CrossEntropyLoss", "KLDivLoss", "MSELoss",
-           "LinearCrossEntropyLoss"]
+           "LinearCrossEntropyLoss", "fuse_causal_lm_loss"]

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT_FILES = ["__init__.py", "losses.py", "loader.py", "op_signatures.py", "loss_helpers.py", "pointwise_loss.py",
                  "mse.py", "kl_div.py", "cross_entropy.py", "row_passes.py", "vocab_parallel.py",
-                 "linear_cross_entropy.py", "kernels"]
+                 "linear_cross_entropy.py", "causal_lm.py", "kernels"]
 
 CHECK_LOSSES = """
 import torch, torch.nn.functional as F
