@@ -1,0 +1,317 @@
+"""fuse_causal_lm_loss (issue 47): tiny random transformers causal LMs (2 layers, hidden 32,
+vocabulary 97) of each family the issue names, fused and not, from the same weights: the same loss
+and gradients (float64 models; the model's own loss is float32, as its logits.float() makes it),
+with -100 labels, with num_items_in_batch (tensor and int), shift_labels, logits_to_keep and a
+MoE's aux loss; the same outputs but logits (None), the output layer never run (no logits built);
+without labels the model's own forward; AdamW steps to the same weights (float32); clear errors for
+what it cannot fuse. Skipped without transformers (4.46+: model.loss_function)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", minversion="4.46")
+
+import losses  # noqa: E402
+
+VOCAB, HIDDEN, BATCH, SEQUENCE = 97, 32, 2, 9
+DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+# name: (config class, model class, config beyond DECODER's). A class this transformers lacks skips.
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    # Logits of a tiny random model are about 0.1: a softcap of 0.1 bends them.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "final_logit_softcapping": 0.1}),
+    # GPT-2's names, its dropout off (the models train in train mode: the same draws are not promised);
+    # its output layer is tied to the token embedding.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": HIDDEN, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                              "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0,
+                                              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                                              "attn_implementation": "eager"}),
+}
+# The model's loss is computed in float32 from its float64 logits, ours in float64: their difference.
+RTOL_FLOAT64_MODEL = 1e-6
+RTOL_TRAINING = 1e-5  # float32 models' weights after AdamW steps (over 15 seeds, at most 1.4e-6)
+PARAMETER_RTOL_TRAINING = 1e-4  # each weight tensor alone (see test_adamw_steps_reach_the_models_weights)
+
+
+def make_model(name, dtype=torch.float64, **config_changes):
+    config_name, model_name, extra = MODELS[name]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    settings = {**(extra if name == "gpt2" else {**DECODER, **extra}), **config_changes}
+    config = getattr(transformers, config_name)(**settings)
+    return getattr(transformers, model_name)(config).to(dtype)
+
+
+def fused_and_not(name, dtype=torch.float64, **config_changes):
+    """(fused model, the model unfused): the same weights."""
+    model = make_model(name, dtype, **config_changes)
+    return losses.fuse_causal_lm_loss(copy.deepcopy(model)), model
+
+
+def batch():
+    """Token ids and their labels, some ignored: a padded start, and scattered ones."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[torch.rand(labels.shape) < 0.2] = -100
+    return ids, labels
+
+
+def rel_err(value, truth):
+    return ((value.double() - truth.double()).norm() / truth.double().norm()).item()
+
+
+def assert_gradients_match(fused, model, rtol):
+    for (name, ours), theirs in zip(fused.named_parameters(), model.parameters()):
+        assert (ours.grad is None) == (theirs.grad is None), name
+        if theirs.grad is not None:
+            assert rel_err(ours.grad, theirs.grad) <= rtol, f"{name}: {rel_err(ours.grad, theirs.grad):.2e}"
+
+
+def assert_same_outputs(ours, theirs, where="output"):
+    """Tensors equal, tuples and lists element by element, caches layer by layer."""
+    if isinstance(theirs, torch.Tensor):
+        assert torch.equal(ours, theirs), where
+    elif isinstance(theirs, (tuple, list)):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same_outputs(a, b, f"{where}[{i}]")
+    else:
+        assert type(ours) is type(theirs), where
+        for i, (a, b) in enumerate(zip(getattr(ours, "layers", ()), getattr(theirs, "layers", ()))):
+            assert_same_outputs([a.keys, a.values], [b.keys, b.values], f"{where}.layers[{i}]")
+
+
+@pytest.fixture
+def output_layer_calls(monkeypatch):
+    """The nn.Linear modules whose forward ran (the output layer's builds the logits)."""
+    calls = []
+    linear_forward = nn.Linear.forward
+
+    def recording_forward(self, input):
+        calls.append(self)
+        return linear_forward(self, input)
+
+    monkeypatch.setattr(nn.Linear, "forward", recording_forward)
+    return calls
+
+
+@pytest.mark.parametrize("num_items", [None, "tensor", "int"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_loss_gradients_and_outputs_are_the_models(name, num_items, output_layer_calls):
+    fused, model = fused_and_not(name)
+    ids, labels = batch()
+    kwargs = {} if num_items is None else {"num_items_in_batch": 11 if num_items == "int" else torch.tensor(11)}
+    extra = {"output_hidden_states": True, "output_attentions": True}
+    theirs = model(ids, labels=labels, **extra, **kwargs)
+    output_layer_calls.clear()
+    ours = fused(ids, labels=labels, **extra, **kwargs)
+    assert fused.get_output_embeddings() not in output_layer_calls  # no logits built
+    assert ours.logits is None and "logits" not in ours.keys()
+    assert ours.loss.dtype == theirs.loss.dtype == torch.float32
+    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+    assert set(ours.keys()) == set(theirs.keys()) - {"logits"}
+    for key in ours.keys():
+        if key != "loss":
+            assert_same_outputs(ours[key], theirs[key], key)
+    ours.loss.backward()
+    theirs.loss.backward()
+    assert_gradients_match(fused, model, RTOL_FLOAT64_MODEL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_without_labels_the_models_forward_runs(name):
+    fused, model = fused_and_not(name)
+    ids, _ = batch()
+    ours, theirs = fused(ids), model(ids)
+    assert type(ours) is type(theirs)
+    assert torch.equal(ours.logits, theirs.logits)
+    ours, theirs = fused(ids, logits_to_keep=1), model(ids, logits_to_keep=1)
+    assert ours.logits.shape[1] == 1 and torch.equal(ours.logits, theirs.logits)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_adamw_steps_reach_the_models_weights(name):
+    """float32: two steps, the second with gradient accumulation's num_items_in_batch; the weights,
+    all of them as one vector, within RTOL_TRAINING. A step moves each weight by about lr, whatever
+    its gradient's size: parameters that start at zero (biases, Gemma's norms) move by their
+    gradients' rounding where those are tiny (a key's bias has none but rounding: the softmax
+    ignores the shift it adds), so each one alone is held to PARAMETER_RTOL_TRAINING only where it
+    does not start at zero (over 15 seeds, at most 8e-6). lr 1e-3 is 5% of the weights' scale
+    (0.02); at 1e-2 the second step's gradients, of weights moved 50%, amplify float32's rounding."""
+    fused, model = fused_and_not(name, torch.float32)
+    starts_at_zero = {name_: not weight.any() for name_, weight in model.named_parameters()}
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (fused, model)]
+    for step in range(2):
+        ids, labels = batch()
+        kwargs = {"num_items_in_batch": torch.tensor(13)} if step else {}
+        for m, optimizer in zip((fused, model), optimizers):
+            m(ids, labels=labels, **kwargs).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = [torch.cat([weight.detach().flatten() for weight in m.parameters()]) for m in (fused, model)]
+    assert rel_err(*weights) <= RTOL_TRAINING
+    for (name_, ours), theirs in zip(fused.named_parameters(), model.parameters()):
+        if not starts_at_zero[name_]:
+            assert rel_err(ours, theirs) <= PARAMETER_RTOL_TRAINING, name_
+
+
+def test_shift_labels_are_taken_as_given():
+    fused, model = fused_and_not("llama")
+    ids, labels = batch()
+    shift_labels = labels.roll(-2, dims=1)  # predict two ahead: no shift of ours may happen
+    ours, theirs = fused(ids, labels=labels, shift_labels=shift_labels), model(ids, labels=labels,
+                                                                             shift_labels=shift_labels)
+    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+
+
+def test_ignore_index_is_honoured():
+    fused, model = fused_and_not("llama")
+    ids, labels = batch()
+    labels[labels == -100] = 5  # then ignored as 5
+    ours, theirs = fused(ids, labels=labels, ignore_index=5), model(ids, labels=labels, ignore_index=5)
+    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+
+
+def test_logits_to_keep_with_labels():
+    """The loss covers the kept positions; their labels must be shift_labels of their shape."""
+    fused, model = fused_and_not("llama")
+    ids, labels = batch()
+    kept = labels[:, -4:].contiguous()  # the model's loss views it
+    ours = fused(ids, labels=labels, shift_labels=kept, logits_to_keep=4)
+    theirs = model(ids, labels=labels, shift_labels=kept, logits_to_keep=4)
+    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        fused(ids, labels=labels, logits_to_keep=4)
+
+
+def test_return_dict_false_gives_the_tuple_without_logits():
+    fused, model = fused_and_not("llama")
+    ids, labels = batch()
+    ours, theirs = fused(ids, labels=labels, return_dict=False), model(ids, labels=labels, return_dict=False)
+    assert isinstance(ours, tuple) and len(ours) == len(theirs) - 1  # loss, cache: the logits left out
+    assert rel_err(ours[0], theirs[0]) <= RTOL_FLOAT64_MODEL
+    assert_same_outputs(ours[1:], theirs[2:])
+
+
+def test_an_output_layer_with_bias():
+    model = make_model("llama")
+    model.lm_head = nn.Linear(HIDDEN, VOCAB, bias=True, dtype=torch.float64)
+    fused = losses.fuse_causal_lm_loss(copy.deepcopy(model))
+    ids, labels = batch()
+    ours, theirs = fused(ids, labels=labels), model(ids, labels=labels)
+    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+    ours.loss.backward()
+    theirs.loss.backward()
+    assert_gradients_match(fused, model, RTOL_FLOAT64_MODEL)
+    assert fused.lm_head.bias.grad is not None
+
+
+def test_a_mixture_of_experts_keeps_its_aux_loss():
+    """Mixtral adds router_aux_loss_coef times its load-balancing loss to the loss it computes."""
+    if not hasattr(transformers, "MixtralForCausalLM"):
+        pytest.skip("no MixtralForCausalLM")
+    config = transformers.MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2,
+                                        router_aux_loss_coef=0.5, experts_implementation="eager")  # float64
+    model = transformers.MixtralForCausalLM(config).double()
+    fused = losses.fuse_causal_lm_loss(copy.deepcopy(model))
+    ids, labels = batch()
+    ours = fused(ids, labels=labels, output_router_logits=True)
+    theirs = model(ids, labels=labels, output_router_logits=True)
+    assert theirs.aux_loss > 0 and torch.equal(ours.aux_loss, theirs.aux_loss)
+    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+    ours.loss.backward()
+    theirs.loss.backward()
+    assert_gradients_match(fused, model, RTOL_FLOAT64_MODEL)
+
+
+def test_fusing_twice_copies_and_undoing():
+    model = make_model("llama")
+    fused = losses.fuse_causal_lm_loss(model)
+    forward = fused.forward
+    assert losses.fuse_causal_lm_loss(fused) is fused and fused.forward == forward
+    ids, labels = batch()
+    loss = fused(ids, labels=labels).loss
+    copied = copy.deepcopy(fused)  # its forward runs the copy
+    copied.lm_head.weight.data.zero_()
+    uniform = copied(ids, labels=labels)
+    assert uniform.logits is None and torch.allclose(uniform.loss, torch.tensor(VOCAB).log().float())
+    assert torch.equal(fused(ids, labels=labels).loss, loss)
+    del fused.forward
+    assert fused(ids, labels=labels).logits is not None
+
+
+def test_what_cannot_be_fused_raises():
+    with pytest.raises(TypeError, match="output layer"):
+        losses.fuse_causal_lm_loss(transformers.LlamaModel(transformers.LlamaConfig(**DECODER)))
+    model = make_model("llama")
+    model.lm_head = nn.Sequential(nn.Linear(HIDDEN, VOCAB))
+    with pytest.raises(TypeError, match="nn.Linear"):
+        losses.fuse_causal_lm_loss(model)
+    with pytest.raises(TypeError, match="output layer"):
+        losses.fuse_causal_lm_loss(nn.Linear(2, 3))  # not a causal LM
+    if hasattr(transformers, "GraniteForCausalLM"):
+        granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**DECODER, logits_scaling=4.0))
+        with pytest.raises(ValueError, match="logits_scaling"):
+            losses.fuse_causal_lm_loss(granite)
+    model = make_model("llama")
+    model.loss_function = lambda logits, labels, **kwargs: logits.sum()
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        losses.fuse_causal_lm_loss(model)
+
+
+def test_a_loss_keyword_not_honoured_is_refused():
+    """A loss function that names a keyword beyond those honoured (as a later transformers might)."""
+    fused = losses.fuse_causal_lm_loss(make_model("llama"))
+    model_loss = fused.loss_function
+
+    def ForCausalLMLoss(logits, labels, vocab_size, label_smoothing=0.0, **kwargs):  # noqa: N802
+        return model_loss(logits, labels, vocab_size, **kwargs)
+
+    fused.loss_function = ForCausalLMLoss
+    ids, labels = batch()
+    assert fused(ids, labels=labels).logits is None
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fused(ids, labels=labels, label_smoothing=0.1)
+
+
+def test_a_forward_with_a_loss_of_its_own_raises():
+    """BartForCausalLM computes its cross-entropy inline (no model.loss_function): it cannot be fused."""
+    if not hasattr(transformers, "BartForCausalLM"):
+        pytest.skip("no BartForCausalLM")
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=HIDDEN, decoder_layers=1, encoder_layers=1,
+                                     decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64,
+                                     encoder_ffn_dim=64, max_position_embeddings=64)
+    fused = losses.fuse_causal_lm_loss(transformers.BartForCausalLM(config))
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="loss_function"):
+        fused(ids, labels=labels)
+    assert fused(ids).logits.shape == (BATCH, SEQUENCE, VOCAB)
+
+
+@pytest.mark.gpu
+def test_bfloat16_llama_on_cuda_against_float64():
+    """The fused bfloat16 model's loss and gradients within twice the unfused bfloat16 model's error
+    (or one bfloat16 rounding) of the float64 model's, norm-wise."""
+    model = make_model("llama", torch.float64, vocab_size=1000).cuda()
+    unfused = copy.deepcopy(model).to(torch.bfloat16)
+    fused = losses.fuse_causal_lm_loss(copy.deepcopy(unfused))
+    ids = torch.randint(0, 1000, (4, 64), device="cuda")
+    labels = ids.clone()
+    labels[:, :5] = -100
+    outputs = [m(ids, labels=labels, num_items_in_batch=torch.tensor(200, device="cuda"))
+               for m in (model, unfused, fused)]
+    assert outputs[2].logits is None
+    for output in outputs:
+        output.loss.backward()
+    floor = 2.0**-8
+    assert rel_err(outputs[2].loss, outputs[0].loss) <= max(2 * rel_err(outputs[1].loss, outputs[0].loss), floor)
+    for (name, truth), eager, ours in zip(model.named_parameters(), unfused.parameters(), fused.parameters()):
+        bound = max(2 * rel_err(eager.grad, truth.grad), floor)
+        assert rel_err(ours.grad, truth.grad) <= bound, name
