@@ -3,8 +3,9 @@ vocabulary 97) of each family the issue names, fused and not, from the same weig
 and gradients (float64 models; the model's own loss is float32, as its logits.float() makes it),
 with -100 labels, with num_items_in_batch (tensor and int), shift_labels, logits_to_keep and a
 MoE's aux loss; the same outputs but logits (None), the output layer never run (no logits built);
-without labels the model's own forward; AdamW steps to the same weights (float32); clear errors for
-what it cannot fuse. Skipped without transformers (4.46+: model.loss_function)."""
+without labels the model's own forward; AdamW steps to the same weights (float32), on one process
+and under FSDP2 on 2 CPU ranks (gloo); clear errors for what it cannot fuse. Skipped without
+transformers (4.46+: model.loss_function)."""
 import copy
 
 import pytest
@@ -13,7 +14,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers", minversion="4.46")
 
+import torch.distributed as dist  # noqa: E402
+
 import losses  # noqa: E402
+from helpers import run_on_ranks  # noqa: E402
 
 VOCAB, HIDDEN, BATCH, SEQUENCE = 97, 32, 2, 9
 DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -293,6 +297,49 @@ def test_a_forward_with_a_loss_of_its_own_raises():
     with pytest.raises(RuntimeError, match="loss_function"):
         fused(ids, labels=labels)
     assert fused(ids).logits.shape == (BATCH, SEQUENCE, VOCAB)
+
+
+def train_under_fsdp2(rank, device):
+    """On each of 2 ranks: Llama fused and not, each decoder layer and the root under fully_shard, two
+    AdamW steps on this rank's batches: the same weights. The output layer sharded on its own raises."""
+    from torch.distributed.fsdp import fully_shard
+    weights = []
+    for fuse in (True, False):
+        torch.manual_seed(0)  # the same initial weights on every rank, fused or not
+        model = make_model("llama", torch.float32).to(device)
+        if fuse:
+            losses.fuse_causal_lm_loss(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)  # the root holds lm_head: gathered for the model's forward, where the loss is
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(1 + rank)
+        for _ in range(2):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=data).to(device)
+            output = model(ids, labels=ids)
+            assert output.logits is None or not fuse
+            output.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        weights.append(torch.cat([weight.full_tensor().detach().flatten() for weight in model.parameters()]))
+    assert rel_err(*weights) <= RTOL_TRAINING, rel_err(*weights)
+    model = make_model("llama", torch.float32).to(device)
+    fully_shard(model.lm_head)
+    with pytest.raises(ValueError, match="fully_shard"):
+        losses.fuse_causal_lm_loss(model)
+
+
+def fsdp2_available() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return dist.is_available()
+
+
+@pytest.mark.skipif(not fsdp2_available(), reason="FSDP2 (fully_shard) needs torch 2.6+ and torch.distributed")
+def test_fsdp2_training_on_cpu(tmp_path):
+    run_on_ranks(train_under_fsdp2, (), "gloo", tmp_path / "store", 2, timeout=300)
 
 
 @pytest.mark.gpu
