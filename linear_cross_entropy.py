@@ -324,9 +324,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *arguments,
                                       wants, classes, shards)
         else:
-            grads = _scaled_forward_gradients(ctx, grad_output)
+            grads, others = _scaled_forward_gradients(ctx, grad_output)
             if schedule == "rows_then_classes":
-                x, weight, bias, target, softmax_stats, count = ctx.saved_tensors[3:]
+                x, weight, bias, target, softmax_stats, count = others
                 grads = (grads[0], *gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output,
                                                   *arguments, (False, *wants[1:]))[1:])
         grad_x, grad_w, grad_b = grads
@@ -337,13 +337,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _scaled_forward_gradients(ctx, grad_output):
     """The gradients the forward wrote for a grad_output of 1, times grad_output: in place for
     a scalar loss (on CUDA no work at all for 1; so a second backward would scale them twice
-    and raises), a new tensor for 'none' (rows only: the forward summed nothing)."""
+    and raises), a new tensor for 'none' (rows only: the forward summed nothing). Returns them
+    and the other saved tensors, read first: an in-place scale on CPU bumps a saved tensor's
+    version, which a later read of ctx.saved_tensors refuses."""
     if ctx.scaled:
         raise RuntimeError("linear_cross_entropy wrote its gradients in the forward and its backward scaled them: "
                            "a second backward through the same call is not supported (retain_graph=True)")
-    grads = ctx.saved_tensors[:3]
+    saved = ctx.saved_tensors
+    grads, others = saved[:3], saved[3:]
     if grad_output.dim():
-        return tuple(None if grad is None else grad * grad_output[:, None].to(grad.dtype) for grad in grads)
+        return tuple(None if grad is None else grad * grad_output[:, None].to(grad.dtype) for grad in grads), others
     ctx.scaled = True
     for grad in grads:
         if grad is None or grad.numel() == 0:
@@ -353,7 +356,7 @@ def _scaled_forward_gradients(ctx, grad_output):
             helpers.kernel_ops("row_passes", grad).scale_by_grad_output_(grad, scale)
         else:
             grad.mul_(scale)
-    return grads
+    return grads, others
 
 
 # ----------------------------------------------------------------------------------

@@ -121,6 +121,19 @@ def test_divisor_divides_the_sum(divisor, grad_of, small_chunks):
                           grad_of=grad_of)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_rows_then_classes_on_cpu(reduction, small_chunks):
+    """A 2-byte d weight of a scalar loss: d input written in the forward and scaled in place in
+    backward, which on CPU bumps a saved tensor's version; the saved logits' inputs are read first."""
+    inputs = make_inputs((2, 5), 16, 50, torch.bfloat16, "cpu")
+    assert schedule_of(dict(reduction=reduction), inputs, (0, 1, 3)) == "rows_then_classes"
+    options = dict(OPTIONS[0], reduction=reduction)
+    check_against_float64(fused(options), reference(options), inputs, grad_of=(1, 3))
+    x, w, t, b = (tensor.requires_grad_() if tensor.is_floating_point() else tensor for tensor in inputs)
+    losses.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction).backward()
+    assert all(tensor.grad is not None for tensor in (x, w, b))
+
+
 def test_a_second_backward_of_forward_written_gradients_raises():
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     loss = losses.linear_cross_entropy(x.requires_grad_(), w, t, linear_bias=b)
