@@ -173,9 +173,9 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     rows, vocab = x.shape[0], weight.shape[0]
     acc = helpers.accumulation_dtype(x.dtype)
     count = _counts(target, ignore_index, divisor)
-    one = torch.ones((), dtype=acc, device=x.device)
-    loss = torch.empty(rows, dtype=acc, device=x.device)
-    softmax_stats = torch.empty(3, rows, dtype=acc, device=x.device)
+    stats = row_passes.new_stats(rows, x.dtype, x.device)
+    row_scale = row_passes.row_scales(torch.ones((), dtype=acc, device=x.device), target, count, ignore_index,
+                                      vocab, reduction, acc)
     grad_x = torch.empty_like(x) if wants[0] else None
     # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
@@ -184,14 +184,12 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     for first in range(0, rows, height):
         end = min(first + height, rows)
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
-        stats = row_passes.new_stats(end - first, x.dtype, x.device)
-        row_passes.fold_stats(z, t, 0, vocab, stats, softcap)
-        loss[first:end], chunk_stats, _ = row_passes.finish_loss(stats, t, ignore_index, vocab, label_smoothing,
-                                                                 z_loss)
-        softmax_stats[:, first:end] = chunk_stats
+        chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device)  # contiguous, for the kernels
+        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap)
+        stats[:, first:end] = chunk_stats
         if any(wants):
-            row_scale = row_passes.row_scales(one, t, count, ignore_index, vocab, reduction, acc)
-            row_passes.write_gradient(z, z, t, 0, vocab, chunk_stats, row_scale, label_smoothing, z_loss, softcap)
+            row_passes.write_gradient(z, z, t, 0, vocab, row_passes.softmax_stats_of(chunk_stats),
+                                      row_scale[first:end], label_smoothing, z_loss, softcap)
         if wants[0]:
             torch.mm(z, weight, out=grad_x[first:end])
         if wants[1]:
@@ -199,6 +197,7 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
         if wants[2]:
             grad_b += z.sum(0, dtype=acc)
         del z  # before the next chunk's logits: one chunk held at a time
+    loss, softmax_stats, _ = row_passes.finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, (grad_x, grad_w, grad_b)
 
 
