@@ -78,8 +78,7 @@ def row_chunk_rows(vocab: int, element_size: int, summing: bool = False) -> int:
     return max(rows, SUM_CHUNK_ROWS) if summing else rows
 
 
-def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, compiling: bool,
-                    float32_weight_sum: bool = False) -> str:
+def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, float32_weight_sum: bool = False) -> str:
     """The one choice of schedule, from the gradients wanted (input, weight, bias) and where d
     weight may be summed:
     "rows": everything in the forward, a chunk of rows (every class) at a time: the loss, d input,
@@ -90,10 +89,10 @@ def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, co
     "rows_then_classes": a 2-byte d weight, or reduction 'none' (whose per-row grad_output a sum
       cannot take): the loss and d input by rows in the forward, d weight and d bias by chunks of
       classes in backward, their logits recomputed: 4 products, one chunk of memory.
-    "classes": with a process group, under torch.compile, or for float16 gradients (whose range
+    "classes": with a process group, or for float16 gradients (whose range
       cannot hold them before a loss scale multiplies them: grad_output comes in backward): the
       statistics by chunks of classes, every gradient from the logits recomputed in backward."""
-    if shards is not None or compiling or (any(wants) and input_dtype == torch.float16):
+    if shards is not None or (any(wants) and input_dtype == torch.float16):
         return "classes"
     sums_weight = wants[1] or wants[2]
     if not sums_weight:
@@ -181,9 +180,9 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     rows, vocab = x.shape[0], weight.shape[0]
     acc = helpers.accumulation_dtype(x.dtype)
     count = _counts(target, ignore_index, divisor)
-    one = torch.ones((), dtype=acc, device=x.device)
-    loss = torch.empty(rows, dtype=acc, device=x.device)
-    softmax_stats = torch.empty(3, rows, dtype=acc, device=x.device)
+    stats = row_passes.new_stats(rows, x.dtype, x.device)
+    row_scale = row_passes.row_scales(torch.ones((), dtype=acc, device=x.device), target, count, ignore_index,
+                                      vocab, reduction, acc)
     grad_x = torch.empty_like(x) if wants[0] else None
     # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
@@ -192,14 +191,12 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     for first in range(0, rows, height):
         end = min(first + height, rows)
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
-        stats = row_passes.new_stats(end - first, x.dtype, x.device)
-        row_passes.fold_stats(z, t, 0, vocab, stats, softcap)
-        loss[first:end], chunk_stats, _ = row_passes.finish_loss(stats, t, ignore_index, vocab, label_smoothing,
-                                                                 z_loss)
-        softmax_stats[:, first:end] = chunk_stats
+        chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device)  # contiguous, for the kernels
+        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap)
+        stats[:, first:end] = chunk_stats
         if any(wants):
-            row_scale = row_passes.row_scales(one, t, count, ignore_index, vocab, reduction, acc)
-            row_passes.write_gradient(z, z, t, 0, vocab, chunk_stats, row_scale, label_smoothing, z_loss, softcap)
+            row_passes.write_gradient(z, z, t, 0, vocab, row_passes.softmax_stats_of(chunk_stats),
+                                      row_scale[first:end], label_smoothing, z_loss, softcap)
         if wants[0]:
             torch.mm(z, weight, out=grad_x[first:end])
         if wants[1]:
@@ -207,6 +204,7 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
         if wants[2]:
             grad_b += z.sum(0, dtype=acc)
         del z  # before the next chunk's logits: one chunk held at a time
+    loss, softmax_stats, _ = row_passes.finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, (grad_x, grad_w, grad_b)
 
 
@@ -233,6 +231,9 @@ def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ig
 
 _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
                 "float label_smoothing, float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
+_ROWS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
+                "float label_smoothing, float z_loss, float softcap, str reduction, bool[] wants) "
+                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor softmax_stats, Tensor count, "
                      "Tensor grad_output, int ignore_index, float label_smoothing, float z_loss, float softcap, "
                      "str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
@@ -245,8 +246,27 @@ def _loss_fake(x, weight, bias, target, divisor, ignore_index, label_smoothing, 
             x.new_empty((), dtype=torch.int64 if divisor is None else acc))
 
 
-def _loss_op(*args):
-    return loss_pass(*args)[:3]
+def _fresh(count, divisor):
+    """A custom op's output may not be its input: divisor as count, copied."""
+    return count.clone() if count is divisor else count
+
+
+def _loss_op(x, weight, bias, target, divisor, *options):
+    loss, softmax_stats, count, _ = loss_pass(x, weight, bias, target, divisor, *options)
+    return loss, softmax_stats, _fresh(count, divisor)
+
+
+def _rows_op(x, weight, bias, target, divisor, *options):
+    loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *options)
+    return (loss, softmax_stats, _fresh(count, divisor), *(x.new_empty(0) if grad is None else grad for grad in grads))
+
+
+def _rows_fake(x, weight, bias, target, divisor, *options):
+    wants = options[-1]
+    loss, softmax_stats, count = _loss_fake(x, weight, bias, target, divisor, *options[:-1])
+    acc = softmax_stats.dtype
+    grads = (torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc), weight.new_empty(weight.shape[0], dtype=acc))
+    return (loss, softmax_stats, count, *(grad if want else x.new_empty(0) for grad, want in zip(grads, wants)))
 
 
 def _gradients_op(x, weight, bias, target, softmax_stats, count, grad_output, *options):
@@ -261,10 +281,11 @@ def _gradients_fake(x, weight, bias, target, softmax_stats, count, grad_output, 
 
 
 def _define_compile_ops():
-    if not helpers.COMPILE_OPS or hasattr(torch.ops.fused_losses_linear_ce, "loss"):
+    if not helpers.COMPILE_OPS or hasattr(torch.ops.fused_losses_linear_ce, "rows"):
         return None  # torch < 2.4, or defined by this file imported under another name
     library = torch.library.Library("fused_losses_linear_ce", "DEF")
     for name, schema, impl, fake in (("loss", _LOSS_SCHEMA, _loss_op, _loss_fake),
+                                     ("rows", _ROWS_SCHEMA, _rows_op, _rows_fake),
                                      ("gradients", _GRADIENTS_SCHEMA, _gradients_op, _gradients_fake)):
         library.define(name + schema)
         for device in ("CPU", "CUDA"):
@@ -294,7 +315,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         bias = None if bias is None else bias.to(x.dtype)
         if schedule != "classes":
             in_forward = wants if schedule == "rows" else (wants[0], False, False)
-            loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward)
+            if helpers.is_compiling():
+                loss, softmax_stats, count, *grads = torch.ops.fused_losses_linear_ce.rows(
+                    x, weight, bias, target, divisor, *arguments, list(in_forward))
+                grads = [grad if want else None for grad, want in zip(grads, in_forward)]
+            else:
+                loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward)
             saved = (x, weight, bias, target, softmax_stats, count) if schedule == "rows_then_classes" else ()
             ctx.save_for_backward(*grads, *saved)
             ctx.scaled = False
@@ -324,9 +350,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grads = gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, *arguments,
                                       wants, classes, shards)
         else:
-            grads = _scaled_forward_gradients(ctx, grad_output)
+            grads, others = _scaled_forward_gradients(ctx, grad_output)
             if schedule == "rows_then_classes":
-                x, weight, bias, target, softmax_stats, count = ctx.saved_tensors[3:]
+                x, weight, bias, target, softmax_stats, count = others
                 grads = (grads[0], *gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output,
                                                   *arguments, (False, *wants[1:]))[1:])
         grad_x, grad_w, grad_b = grads
@@ -337,13 +363,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _scaled_forward_gradients(ctx, grad_output):
     """The gradients the forward wrote for a grad_output of 1, times grad_output: in place for
     a scalar loss (on CUDA no work at all for 1; so a second backward would scale them twice
-    and raises), a new tensor for 'none' (rows only: the forward summed nothing)."""
+    and raises), a new tensor for 'none' (rows only: the forward summed nothing). Returns them
+    and the other saved tensors, read first: an in-place scale on CPU bumps a saved tensor's
+    version, which a later read of ctx.saved_tensors refuses."""
     if ctx.scaled:
         raise RuntimeError("linear_cross_entropy wrote its gradients in the forward and its backward scaled them: "
                            "a second backward through the same call is not supported (retain_graph=True)")
-    grads = ctx.saved_tensors[:3]
-    if grad_output.dim():
-        return tuple(None if grad is None else grad * grad_output[:, None].to(grad.dtype) for grad in grads)
+    saved = ctx.saved_tensors
+    grads, others = saved[:3], saved[3:]
+    if grad_output.dim() or helpers.is_compiling():  # new tensors ('none'; a compiled graph is functional)
+        scale = grad_output[:, None] if grad_output.dim() else grad_output
+        return tuple(None if grad is None else grad * scale.to(grad.dtype) for grad in grads), others
     ctx.scaled = True
     for grad in grads:
         if grad is None or grad.numel() == 0:
@@ -353,7 +383,7 @@ def _scaled_forward_gradients(ctx, grad_output):
             helpers.kernel_ops("row_passes", grad).scale_by_grad_output_(grad, scale)
         else:
             grad.mul_(scale)
-    return grads
+    return grads, others
 
 
 # ----------------------------------------------------------------------------------
@@ -576,8 +606,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         if divisor is not None:  # 'mean' over divisor's count
             reduction = "mean"
             divisor = torch.as_tensor(divisor).to(device=input.device, dtype=helpers.accumulation_dtype(input.dtype))
-        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, helpers.is_compiling(),
-                                   **schedule_options)
+        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, **schedule_options)
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
             schedule, wants))

@@ -56,12 +56,17 @@ def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: floa
     whose sum is the lse (lse_of; write_gradient takes them apart), and its target's p - 1 as
     -(the other classes' sum) / (the sum), which does not cancel; count: the rows not ignored
     (0-dim, on the device: no host sync)."""
-    softmax_stats = torch.stack([stats[0], torch.log(stats[1]), -stats[4] / stats[1]])
+    softmax_stats = softmax_stats_of(stats)
     lse = lse_of(softmax_stats)
     counted, invalid = _row_counts(target, ignore_index, classes)
     ce = (1 - label_smoothing) * _target_nll(stats, lse) + label_smoothing * (lse - stats[3] / classes)
     loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
     return loss, softmax_stats, counted.sum()
+
+
+def softmax_stats_of(stats):
+    """finish_loss's softmax_stats (3, rows) alone, from complete statistics."""
+    return torch.stack([stats[0], torch.log(stats[1]), -stats[4] / stats[1]])
 
 
 def _target_nll(stats, lse):

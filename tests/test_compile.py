@@ -42,13 +42,19 @@ STEPS = {
         lambda logits, q: losses.kl_div(logits.softmax(-1), q, reduction="batchmean", log_input=False)),
     "kl_div log_input=True": model_step(
         lambda logits, q: losses.kl_div(logits.log_softmax(-1), q, reduction="batchmean")),
+    # The linear's schedules: d weight summed in the forward (rows); 'none' (rows, then classes in
+    # backward); input's gradient alone, through a fixed head of 50 classes (a frozen head).
+    "linear_cross_entropy mean": lambda weight, x, t: losses.linear_cross_entropy(x, weight.t(), t, softcap=5.0),
+    "linear_cross_entropy none": lambda weight, x, t: losses.linear_cross_entropy(x, weight.t(), t, reduction="none"),
+    "linear_cross_entropy frozen head": lambda weight, x, t: losses.linear_cross_entropy(
+        x @ weight, torch.linspace(-1, 1, 5000, device=x.device).reshape(50, 100), t % 50, label_smoothing=0.1),
 }
 
 
 def step_inputs(case, device):
     weight = torch.randn(32, 100, device=device) / 6
     x = torch.randn(64, 32, device=device)
-    if case.startswith("cross_entropy"):
+    if "cross_entropy" in case:
         target = torch.randint(0, 100, (64,), device=device)
         target[::7] = -100  # some ignored rows
     elif case.startswith("kl_div"):
