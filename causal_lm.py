@@ -39,8 +39,9 @@ SOFTCAP_ATTRIBUTES = ("final_logit_softcapping", "logits_soft_cap")
 # value that changes nothing: any other value is refused.
 OTHER_LOGIT_CHANGES = {"logits_scaling": 1.0, "logit_scale": 1.0, "output_multiplier": 1.0,
                        "unpadded_vocab_size": None}
-# Keywords transformers' ForCausalLMLoss reads: honoured here. It ignores every other one (the
-# forward passes all its keywords on), and so does this, unless the model's loss function names it.
+# Keywords transformers' ForCausalLMLoss reads (shift_labels since 4.50 or so): honoured here where the model's
+# loss function names them. It ignores every other one (the forward passes all its keywords on), and so does
+# this, unless the model's loss function names it: then it raises.
 LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
@@ -54,14 +55,15 @@ def fuse_causal_lm_loss(model):
 
     Replaces this instance's forward (not its class's; `del model.forward` undoes it). A call with
     labels gives the model's loss: transformers' ForCausalLMLoss, labels shifted (position t
-    predicts label t + 1; shift_labels= taken as given), ignore_index (-100 unless passed), and
-    with num_items_in_batch (gradient accumulation) the sum over it: reduction 'sum' with
-    divisor=num_items_in_batch, folded into the gradient the forward writes. The output layer's
-    bias, config.final_logit_softcapping (softcap=) and what the model adds to the loss (a MoE's
-    aux loss) are kept; the loss is float32, as the model's. Every output is returned as the
-    model's (past_key_values, hidden_states, attentions; a tuple for return_dict=False) except
-    logits, None. With logits_to_keep (num_logits_to_keep), the loss covers the kept positions,
-    with shift_labels of their shape. Without labels the model's forward runs unchanged.
+    predicts label t + 1; shift_labels= as given, where the model's loss takes it), ignore_index
+    (-100 unless passed), and with num_items_in_batch (gradient accumulation) the sum over it:
+    reduction 'sum' with divisor=num_items_in_batch, folded into the gradient the forward writes.
+    The output layer's bias, config.final_logit_softcapping (softcap=) and what the model adds to
+    the loss (a MoE's aux loss) are kept; the loss is float32, as the model's. Every output is
+    returned as the model's (past_key_values, hidden_states, attentions; a tuple for
+    return_dict=False) except logits, None. With logits_to_keep (num_logits_to_keep), the loss
+    covers the kept positions, with shift_labels of their shape. Without labels the model's forward
+    runs unchanged.
 
     The loss is computed inside the model's forward: under FSDP2 shard the output layer with the
     model (fully_shard(model)), not on its own. Raises TypeError for a model without an nn.Linear
@@ -76,7 +78,7 @@ def fuse_causal_lm_loss(model):
     if "labels" not in inspect.signature(forward).parameters:
         raise TypeError(f"fuse_causal_lm_loss expected a causal LM whose forward takes labels=, got "
                         f"{type(model).__name__}")
-    _loss_function_name(model)
+    _check_loss_function(model)
     _softcap(getattr(model, "config", None))
     if getattr(model, "_fused_causal_lm_loss", False):
         return model  # already fused
@@ -146,16 +148,19 @@ def _fsdp2_module() -> tuple:
     return (FSDPModule,)
 
 
-def _loss_function_name(model) -> str:
+def _check_loss_function(model) -> None:
     function = getattr(model, "loss_function", None)
     if function is None:
-        raise TypeError(f"fuse_causal_lm_loss expected a transformers (4.46+) causal LM, whose forward computes "
+        raise TypeError(f"fuse_causal_lm_loss expected a transformers (4.48+) causal LM, whose forward computes "
                         f"its loss by model.loss_function; {type(model).__name__} has none")
     name = getattr(function, "__name__", type(function).__name__)
     if name != "ForCausalLMLoss":
         raise ValueError(f"fuse_causal_lm_loss replaces transformers' ForCausalLMLoss (a causal LM's loss); "
                          f"{type(model).__name__}'s model.loss_function is {name}")
-    return name
+    attribute = getattr(type(model), "loss_function", None)
+    if not isinstance(attribute, property) or attribute.fset is None:
+        raise TypeError(f"fuse_causal_lm_loss replaces model.loss_function for a call, which {type(model).__name__} "
+                        f"does not let it do (transformers 4.48+ does)")
 
 
 def _softcap(config):
@@ -191,7 +196,7 @@ def _fused_call(model, args, kwargs):
         return inner(*args, **kwargs)
     wants_dict = _ask_for_a_dict(bound, signature, model.config)
     layer = _output_layer(model)  # again: resize_token_embeddings may have replaced it
-    _loss_function_name(model)
+    _check_loss_function(model)
     with _stand_ins(model, layer, _softcap(getattr(model, "config", None))) as calls:
         try:
             output = inner(*bound.args, **bound.kwargs)
@@ -249,6 +254,8 @@ def _stand_ins(model, layer, softcap):
                       shift_labels=None, **kwargs):
         calls["loss"] += 1
         refused = [name for name in kwargs if name in loss_parameters and kwargs[name] is not None]
+        if "shift_labels" not in loss_parameters:  # an older ForCausalLMLoss ignores it: so does this
+            shift_labels = None
         if refused:
             raise ValueError(f"fuse_causal_lm_loss honours the loss keywords {', '.join(LOSS_KEYWORDS)}; the model's "
                              f"loss function also takes {', '.join(refused)}, which it does not")
@@ -264,6 +271,9 @@ def _stand_ins(model, layer, softcap):
     layer.forward = record_hidden
     model._loss_function = loss_function  # what transformers' loss_function property returns
     try:
+        if model.loss_function is not loss_function:
+            raise TypeError(f"fuse_causal_lm_loss could not replace {type(model).__name__}'s model.loss_function "
+                            f"(transformers 4.48+ reads model._loss_function)")
         yield calls
     finally:
         for obj, name in ((layer, "forward"), (model, "_loss_function")):

@@ -5,14 +5,15 @@ with -100 labels, with num_items_in_batch (tensor and int), shift_labels, logits
 MoE's aux loss; the same outputs but logits (None), the output layer never run (no logits built);
 without labels the model's own forward; AdamW steps to the same weights (float32), on one process
 and under FSDP2 on 2 CPU ranks (gloo); clear errors for what it cannot fuse. Skipped without
-transformers (4.46+: model.loss_function)."""
+transformers 4.48+ (model.loss_function, replaceable)."""
 import copy
+import inspect
 
 import pytest
 import torch
 from torch import nn
 
-transformers = pytest.importorskip("transformers", minversion="4.46")
+transformers = pytest.importorskip("transformers", minversion="4.48")
 
 import torch.distributed as dist  # noqa: E402
 
@@ -56,6 +57,17 @@ def fused_and_not(name, dtype=torch.float64, **config_changes):
     """(fused model, the model unfused): the same weights."""
     model = make_model(name, dtype, **config_changes)
     return losses.fuse_causal_lm_loss(copy.deepcopy(model)), model
+
+
+def keep_keyword(model):
+    """logits_to_keep, num_logits_to_keep before transformers 4.50 or so; None where the forward
+    takes neither (GPT-2 before then)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
+
+
+def takes_shift_labels(model) -> bool:
+    return "shift_labels" in inspect.signature(model.loss_function).parameters
 
 
 def batch():
@@ -136,8 +148,14 @@ def test_without_labels_the_models_forward_runs(name):
     ours, theirs = fused(ids), model(ids)
     assert type(ours) is type(theirs)
     assert torch.equal(ours.logits, theirs.logits)
-    ours, theirs = fused(ids, logits_to_keep=1), model(ids, logits_to_keep=1)
-    assert ours.logits.shape[1] == 1 and torch.equal(ours.logits, theirs.logits)
+    if keep_keyword(model):
+        keep = {keep_keyword(model): 1}
+        ours, theirs = fused(ids, **keep), model(ids, **keep)
+        assert ours.logits.shape[1] == 1 and torch.equal(ours.logits, theirs.logits)
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(fused.generate(ids, **greedy), model.generate(ids, **greedy))
+    # Trainers read the forward's parameters (dataset columns, whether it takes num_items_in_batch).
+    assert inspect.signature(fused.forward) == inspect.signature(model.forward)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -166,13 +184,22 @@ def test_adamw_steps_reach_the_models_weights(name):
             assert rel_err(ours, theirs) <= PARAMETER_RTOL_TRAINING, name_
 
 
-def test_shift_labels_are_taken_as_given():
+def test_shift_labels_are_taken_as_the_models_loss_takes_them():
+    """As given, or ignored where the model's loss ignores them (older transformers)."""
     fused, model = fused_and_not("llama")
     ids, labels = batch()
     shift_labels = labels.roll(-2, dims=1)  # predict two ahead: no shift of ours may happen
     ours, theirs = fused(ids, labels=labels, shift_labels=shift_labels), model(ids, labels=labels,
                                                                              shift_labels=shift_labels)
     assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+
+
+def test_evaluation_without_grad():
+    fused, model = fused_and_not("llama")
+    ids, labels = batch()
+    with torch.no_grad():
+        ours, theirs = fused(ids, labels=labels), model(ids, labels=labels)
+    assert ours.logits is None and rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
 
 
 def test_ignore_index_is_honoured():
@@ -187,12 +214,14 @@ def test_logits_to_keep_with_labels():
     """The loss covers the kept positions; their labels must be shift_labels of their shape."""
     fused, model = fused_and_not("llama")
     ids, labels = batch()
-    kept = labels[:, -4:].contiguous()  # the model's loss views it
-    ours = fused(ids, labels=labels, shift_labels=kept, logits_to_keep=4)
-    theirs = model(ids, labels=labels, shift_labels=kept, logits_to_keep=4)
-    assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
+    keep = {keep_keyword(model): 4}
+    if takes_shift_labels(model):
+        kept = labels[:, -4:].contiguous()  # the model's loss views it
+        ours = fused(ids, labels=labels, shift_labels=kept, **keep)
+        theirs = model(ids, labels=labels, shift_labels=kept, **keep)
+        assert rel_err(ours.loss, theirs.loss) <= RTOL_FLOAT64_MODEL
     with pytest.raises(ValueError, match="logits_to_keep"):
-        fused(ids, labels=labels, logits_to_keep=4)
+        fused(ids, labels=labels, **keep)
 
 
 def test_return_dict_false_gives_the_tuple_without_logits():
