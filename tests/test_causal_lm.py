@@ -11,11 +11,10 @@ import inspect
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 transformers = pytest.importorskip("transformers", minversion="4.48")
-
-import torch.distributed as dist  # noqa: E402
 
 import losses  # noqa: E402
 from helpers import run_on_ranks  # noqa: E402
@@ -126,6 +125,7 @@ def test_loss_gradients_and_outputs_are_the_models(name, num_items, output_layer
     kwargs = {} if num_items is None else {"num_items_in_batch": 11 if num_items == "int" else torch.tensor(11)}
     extra = {"output_hidden_states": True, "output_attentions": True}
     theirs = model(ids, labels=labels, **extra, **kwargs)
+    assert model.get_output_embeddings() in output_layer_calls  # seen where it runs
     output_layer_calls.clear()
     ours = fused(ids, labels=labels, **extra, **kwargs)
     assert fused.get_output_embeddings() not in output_layer_calls  # no logits built
