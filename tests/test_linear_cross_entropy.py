@@ -95,7 +95,7 @@ def check_schedule(options, inputs, grad_of, monkeypatch):
 def test_the_schedule_follows_the_wanted_gradients_and_their_dtype():
     choose = linear_cross_entropy.choose_schedule
     f32, bf16 = torch.float32, torch.bfloat16
-    assert choose((False, False, False), "mean", bf16, bf16, None) == "rows"  # eval
+    assert choose((False, False, False), "mean", bf16, bf16, None) == "classes"  # eval
     assert choose((True, False, False), "none", bf16, bf16, None) == "rows"  # frozen head
     assert choose((True, True, True), "mean", f32, bf16, None) == "rows"  # float32 master weight
     assert choose((True, True, False), "sum", f32, f32, None) == "rows"
@@ -105,7 +105,8 @@ def test_the_schedule_follows_the_wanted_gradients_and_their_dtype():
     assert choose((True, True, False), "none", f32, f32, None) == "rows_then_classes"
     assert choose((True, False, False), "mean", bf16, bf16, object()) == "classes"  # a process group
     assert choose((True, False, False), "mean", torch.float16, torch.float16, None) == "classes"
-    assert choose((False, False, False), "mean", torch.float16, torch.float16, None) == "rows"
+    assert choose((True, True, False), "mean", torch.float16, torch.float16, None,
+                  float32_weight_sum=True) == "classes"
 
 
 @pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
