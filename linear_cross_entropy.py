@@ -77,7 +77,8 @@ def row_chunk_rows(vocab: int, element_size: int, summing: bool = False) -> int:
     return max(rows, SUM_CHUNK_ROWS) if summing else rows
 
 
-def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, float32_weight_sum: bool = False) -> str:
+def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, softcap: float = 0.0,
+                    float32_weight_sum: bool = False) -> str:
     """The one choice of schedule, from the gradients wanted (input, weight, bias) and where d
     weight may be summed:
     "rows": everything in the forward, a chunk of rows (every class) at a time: the loss, d input,
@@ -87,18 +88,22 @@ def choose_schedule(wants, reduction: str, weight_dtype, input_dtype, shards, fl
       and for no d weight at all (a frozen head): 2 or 3 matrix products.
     "rows_then_classes": a 2-byte d weight, or reduction 'none' (whose per-row grad_output a sum
       cannot take): the loss and d input by rows in the forward, d weight and d bias by chunks of
-      classes in backward, their logits recomputed: 4 products, one chunk of memory.
-    "classes": no gradient (eval: its one product in chunks of classes, whose row passes have
-      every row to run over, ran 1-8% faster on an H100), a process group, or float16 gradients
-      (whose range cannot hold them before a loss scale multiplies them: grad_output comes in
-      backward): the statistics by chunks of classes, every gradient from the logits recomputed
-      in backward."""
+      classes in backward, their logits recomputed: 4 products, one chunk of memory. Not with a
+      softcap: its second gradient pass, compute-bound there, costs more than the float32 d input
+      sum that "classes" adds (H100, Gemma 2 8192 x 2304 x 256000: 71.9 ms against 65.6).
+    "classes": a 2-byte d weight with a softcap (above); no gradient (eval: its one product in
+      chunks of classes, whose row passes have every row to run over, ran 1-8% faster on an H100);
+      a process group; float16 gradients (whose range cannot hold them before a loss scale
+      multiplies them: grad_output comes in backward): the statistics by chunks of classes, every
+      gradient from the logits recomputed in backward."""
     if shards is not None or not any(wants) or input_dtype == torch.float16:
         return "classes"
     if not (wants[1] or wants[2]):
         return "rows"
     exact_sum = weight_dtype == helpers.accumulation_dtype(input_dtype) or float32_weight_sum
-    return "rows" if exact_sum and reduction != "none" else "rows_then_classes"
+    if exact_sum and reduction != "none":
+        return "rows"
+    return "classes" if softcap else "rows_then_classes"
 
 
 def _chunks(weight, bias, width):
@@ -606,7 +611,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         if divisor is not None:  # 'mean' over divisor's count
             reduction = "mean"
             divisor = torch.as_tensor(divisor).to(device=input.device, dtype=helpers.accumulation_dtype(input.dtype))
-        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, **schedule_options)
+        schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, softcap or 0.0,
+                                   **schedule_options)
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
             schedule, wants))

@@ -74,7 +74,8 @@ GRADS_OF = {"input, weight and bias": (0, 1, 3), "input alone": (0,), "weight al
 def schedule_of(options, inputs, grad_of):
     x, w, t, b = inputs
     wants = tuple(i in grad_of for i in (0, 1, 3))
-    return linear_cross_entropy.choose_schedule(wants, options["reduction"], w.dtype, x.dtype, None)
+    return linear_cross_entropy.choose_schedule(wants, options["reduction"], w.dtype, x.dtype, None,
+                                                options.get("softcap") or 0.0)
 
 
 def check_schedule(options, inputs, grad_of, monkeypatch):
@@ -103,6 +104,8 @@ def test_the_schedule_follows_the_wanted_gradients_and_their_dtype():
     assert choose((True, True, False), "mean", bf16, bf16, None) == "rows_then_classes"
     assert choose((False, False, True), "mean", bf16, bf16, None) == "rows_then_classes"
     assert choose((True, True, False), "none", f32, f32, None) == "rows_then_classes"
+    assert choose((True, True, False), "mean", bf16, bf16, None, 30.0) == "classes"  # Gemma 2's softcap
+    assert choose((True, False, False), "mean", bf16, bf16, None, 30.0) == "rows"
     assert choose((True, False, False), "mean", bf16, bf16, object()) == "classes"  # a process group
     assert choose((True, False, False), "mean", torch.float16, torch.float16, None) == "classes"
     assert choose((True, True, False), "mean", torch.float16, torch.float16, None,
