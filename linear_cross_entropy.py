@@ -333,7 +333,7 @@ def linear_cross_entropy(input: torch.Tensor, weight: torch.Tensor, target: torc
     with torch.autocast(input.device.type, enabled=False):
         rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
         shards = (None if process_group is None else
-                  vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows))
+                  vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows, rows.shape[1]))
         wants = [helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias)]
         schedule = choose_schedule(wants, shards, helpers.is_compiling())
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, (
