@@ -606,7 +606,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     with torch.autocast(input.device.type, enabled=False):
         rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
         shards = (None if process_group is None else
-                  vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows))
+                  vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows, rows.shape[1]))
         wants = tuple(helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias))
         if divisor is not None:  # 'mean' over divisor's count
             reduction = "mean"

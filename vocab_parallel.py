@@ -4,16 +4,21 @@
 Each rank holds a contiguous shard of the classes: logits (rows, C_r) and weight (C_r,);
 class-index targets are global ids, probability targets are sharded like the logits. The
 loss, the lse and the gradient of this rank's shard equal single-device cross_entropy on the
-gathered logits. Per call two all-reduces of (rows,)-sized tensors and no host sync: the
-row maxima (MAX), then every row's sums packed together (SUM): the exp sum, the target's
+gathered logits. Per call the facts' all-reduce (below), then two of (rows,)-sized tensors, and no host
+sync on a GPU: the row maxima (MAX), then every row's sums packed together (SUM): the exp sum, the target's
 logit and the smoothing sums (with class weights or probabilities, their weighted sums and the
 target's weight). The gradient is the local shard's alone, with no communication. The
 result is deterministic for a fixed group.
 
-Shards tile [0, V) in any rank order. A rank's first class is `vocab_start`, by default
-rank * C_r (equal shards). The layout is checked from values the all-reduces carry anyway:
-the first call with a new layout (as this rank sees it) reads them back once (one host sync)
-and raises if the shards do not tile [0, V); a later call whose shards do not tile gives NaN.
+Shards tile [0, V) in any rank order (an empty shard anywhere). A rank's first class is
+`vocab_start`, by default rank * C_r (equal shards). Validity is decided collectively: a first, tiny
+all-reduce, before any of the rows' size, carries every rank's facts (first class, classes, rows, input
+width, dtype), which check_group reads alike on every rank: a fault on one rank raises the same ValueError,
+naming it, on every rank. On CPU the facts are host memory, read at every call. On a GPU a read is a host
+sync: a rank reads them when it first sees its layout (group, first class, classes, dtype), and not after
+(CUDA graphs capture after a warm-up call). Later, a layout new to one rank raises there alone, its peers
+waiting for it in their next all-reduce; other rows or input width go unseen; a layout every rank checked
+before that no longer tiles gives NaN on every rank (the device's verdict, _layout_on_device).
 Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
 Every call takes the row-pass engine (row_passes.py) over the shard: its statistics, combined
@@ -26,6 +31,8 @@ engine over chunks of its logits.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -36,8 +43,11 @@ else:
     import loss_helpers as helpers
     import row_passes
 
-# Layouts checked by this process: (group, C_r, vocab_start) as seen by this rank.
-_checked_layouts: set = set()
+CLASS_ID_LIMIT = 2**24  # class ids and V travel in the accumulation type: float32 holds integers exactly to here
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # the facts' dtype codes
+# The layouts (first class, classes, dtype) this rank has checked, per group. Weak keys: a destroyed
+# group's entry goes with it, so a new group at its address is checked afresh.
+_checked_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shard_start(group, local_classes: int, vocab_start: int | None) -> int:
@@ -50,82 +60,103 @@ def check_group_device(group, logits: torch.Tensor) -> None:
         raise ValueError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
 
 
-def _shards_tile(layout: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
-    """Whether the shards (layout: every rank's first class and width, interleaved) tile
-    [0, V), on the device: sorted by first class, each starts where the last ended. An empty
-    shard sorts before a shard that starts where it does, so it never breaks the chain. Exact
-    in float32 up to 2^24 classes."""
-    starts, widths = layout[0::2], layout[1::2]
+def check_group(facts) -> str | None:
+    """The group's verdict from every rank's facts (a row a rank: first class, classes, rows, input width,
+    dtype code): what is wrong, naming the offending rank and what was expected, or None. Every rank
+    reads the same facts, so every rank gets the same text."""
+    for column, says in ((4, "input is {}, rank {}'s {}: every rank's must be the same dtype"),
+                         (2, "input has {} rows, rank {}'s {}: every rank takes the same rows"),
+                         (3, "input has width {}, rank {}'s {}: every rank takes the same input")):
+        values = [row[column] if column != 4 else _DTYPES[row[column]] for row in facts]
+        usual = max(values, key=values.count)  # most ranks' value (a tie: the lowest rank's)
+        odd = [rank for rank, value in enumerate(values) if value != usual]
+        if odd:
+            return f"process_group: rank {odd[0]}'s " + says.format(values[odd[0]], values.index(usual), usual)
+    listed = ", ".join(f"rank {rank} [{start}, {start + width})" for rank, (start, width, *_) in enumerate(facts))
+    shards = sorted((start, start + width, rank) for rank, (start, width, *_) in enumerate(facts) if width > 0)
+    dtype = _DTYPES[facts[0][4]]
+    for start, end, rank in shards:
+        if end > CLASS_ID_LIMIT and dtype != torch.float64:
+            return (f"process_group: rank {rank}'s shard [{start}, {end}) ends past class 2^24 = {CLASS_ID_LIMIT}, "
+                    f"the most with {dtype} logits (class ids travel in float32). Shards: {listed}")
+    expected, previous = 0, None  # each shard starts where the one before ends (an empty one holds no class)
+    for start, end, rank in shards:
+        if start != expected:
+            before = "" if previous is None else f", where rank {previous[2]}'s [{previous[0]}, {previous[1]}) ends"
+            wrong = (f"classes [{expected}, {start}) belong to no rank" if start > expected else
+                     "it starts before class 0" if previous is None else "the two overlap")
+            return (f"process_group: the vocabulary shards do not tile [0, V): rank {rank}'s shard [{start}, {end}) "
+                    f"should start at {expected}{before}: {wrong}. Shards: {listed}. Shards of unequal width need "
+                    f"vocab_start= (each rank's first class); without it a rank's first class is rank * its classes.")
+        expected, previous = end, (start, end, rank)
+    return None
+
+
+def _share_facts(group, like: torch.Tensor, facts) -> torch.Tensor:
+    """The facts' all-reduce (SUM), before any of the rows' size: every rank's facts, (world, len(facts))
+    int64 on like's device, a row a rank."""
+    rank = dist.get_rank(group)
+    shared = torch.zeros(dist.get_world_size(group), len(facts), dtype=torch.int64, device=like.device)
+    for column, value in enumerate(facts):
+        shared[rank, column] = value  # a fill: a copy from the host would sync the stream
+    dist.all_reduce(shared, op=dist.ReduceOp.SUM, group=group)
+    return shared
+
+
+def _reads_every_call(shared: torch.Tensor) -> bool:
+    """On CPU the facts are host memory, free to read; on a GPU a read is a sync."""
+    return shared.device.type == "cpu"
+
+
+def _layout_on_device(shared: torch.Tensor, dtype: torch.dtype):
+    """(V, whether the layout is valid), on the device: check_group's class limit and tiling, for the calls
+    that do not read the facts. Sorted by first class, each shard starts where the one before ends; an
+    empty shard, whose first class does not matter, sorts first."""
+    widths = shared[:, 1]
+    starts = torch.where(widths > 0, shared[:, 0], 0)
     ends = starts + widths
+    vocab = ends.max()
     order = (2 * starts + (widths > 0)).argsort()
     starts, ends = starts[order], ends[order]
-    return (starts[0] == 0) & (ends[-1] == vocab) & (starts[1:] == ends[:-1]).all()
-
-
-def _check_layout(group, local_classes, start, layout, vocab, tiled) -> None:
-    """Raises unless the shards tile [0, V) (the first read of a layout is a host sync; then cached)."""
-    key = (id(group), local_classes, start)
-    if key in _checked_layouts:
-        return
-    if not bool(tiled.item()):
-        shards = [(int(first), int(first + width)) for first, width in layout.view(-1, 2).tolist()]
-        raise ValueError(
-            f"cross_entropy: the vocabulary shards of the process group do not tile [0, V): the ranks' shards "
-            f"are classes {', '.join(f'[{a}, {b})' for a, b in shards)} (this rank's [{start}, "
-            f"{start + local_classes})), V = {int(vocab.item())}. Shards of unequal width need vocab_start= "
-            f"(each rank's first class id); without it a rank's first class is rank * C_r.")
-    _checked_layouts.add(key)
-
-
-def _check_class_ids(logits, start, local) -> None:
-    if start + local > 2**24 and logits.dtype != torch.float64:
-        raise ValueError(f"cross_entropy: process_group takes up to 2^24 classes with {logits.dtype} logits "
-                         f"(class ids travel in float32); this shard ends at class {start + local}")
-
-
-def _all_reduce_sums(local_sums, group, start, local, vocab):
-    """All-reduce 2 (SUM): the rows' sums (k, rows) and every rank's first class and width (this
-    rank's slots). Returns (the group's sums, whether the shards tile [0, V), on the device)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layout = torch.zeros(2 * world, dtype=local_sums.dtype)
-    layout[2 * rank], layout[2 * rank + 1] = start, local
-    sums = torch.cat([local_sums.reshape(-1), layout.to(local_sums.device)])
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    layout = sums[local_sums.numel():]
-    tiled = _shards_tile(layout, vocab)
-    _check_layout(group, local, start, layout, vocab, tiled)
-    return sums[:local_sums.numel()].view_as(local_sums), tiled
+    valid = (starts[0] == 0) & (starts[1:] == ends[:-1]).all()
+    return vocab, valid if dtype == torch.float64 else valid & (vocab <= CLASS_ID_LIMIT)
 
 
 class Shards:
-    """The classes split among a group's ranks, as this rank sees them: its first class `start`
-    and its width `local`. Checks what this rank alone can check (the group's backend takes
-    `like`'s device; class ids exact in the accumulation type)."""
+    """The classes split among a group's ranks, as this rank sees them: its first class `start` and its
+    width `local`. Made on every rank at once: the facts' all-reduce, checked (check_group) on every call
+    on CPU and where this rank sees its layout first on a GPU; `hidden`: input's width (linear), which
+    backward's all-reduce of d input needs equal."""
 
-    def __init__(self, group, local: int, vocab_start: int | None, like: torch.Tensor):
+    def __init__(self, group, local: int, vocab_start: int | None, like: torch.Tensor, hidden: int = 0):
         check_group_device(group, like)
         self.group, self.local = group, local
         self.start = shard_start(group, local, vocab_start)
-        _check_class_ids(like, self.start, local)
+        shared = _share_facts(group, like, (self.start, local, like.shape[0], hidden, _DTYPES.index(like.dtype)))
+        layout, checked = (self.start, local, like.dtype), _checked_layouts.setdefault(group, set())
+        if _reads_every_call(shared) or layout not in checked:  # every rank reads the same facts: all raise
+            error = check_group(shared.tolist())
+            if error is not None:
+                raise ValueError(error)
+            checked.add(layout)
+        self.vocab, self.valid = _layout_on_device(shared, like.dtype)
 
     def combine(self, stats):
         """This rank's statistics (row_passes.new_stats') combined with the group's in two
         all-reduces: (the group's statistics, V on the device)."""
-        rows = stats.shape[1]
-        # All-reduce 1 (MAX): the row maxima and the vocabulary's end V.
-        maxima = torch.cat([stats[0], stats.new_tensor([self.start + self.local])])
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
-        row_max, vocab = maxima[:rows], maxima[rows]
+        # All-reduce 1 (MAX): the row maxima.
+        row_max = stats[0].clone()
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
         to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
         # All-reduce 2 (SUM): the other rows, the exp sums (rows 1 and 4) taken to the global max;
         # the target's terms only its owner holds (0 elsewhere).
         sums = stats[1:].clone()
         sums[0] *= to_global
         sums[3] *= to_global
-        sums, tiled = _all_reduce_sums(sums, self.group, self.start, self.local, vocab)
-        # Shards that do not tile [0, V) (a layout this rank checked before, another rank's changed): NaN.
-        sums[0] = torch.where(tiled, sums[0], torch.nan)
-        return torch.cat([row_max[None], sums]), vocab
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+        # A layout that is not valid (on a GPU, another rank's changed since this rank checked): NaN.
+        sums[0] = torch.where(self.valid, sums[0], torch.nan)
+        return torch.cat([row_max[None], sums]), self.vocab.to(stats.dtype)
 
     def sum_over_group(self, tensor: torch.Tensor) -> None:
         """In place: the sum of `tensor` over the group (input's gradient, to which every rank's classes add)."""

@@ -9,9 +9,13 @@ within ULPS units in the last place of the truth.
 Our outputs land in memory poisoned with NaN first, so an element the kernel did not
 write shows up as an error.
 """
+import faulthandler
+import inspect
 import json
 import math
 import os
+import signal
+import time
 from typing import Callable, NamedTuple, Tuple
 
 import torch
@@ -277,31 +281,98 @@ def class_weights(logits):
 # ----------------------------------------------------------------------------------
 # Process groups: a test body on every rank of one group, failures reported with the rank.
 
-def run_on_ranks(body, args, backend, store_path, world=2, timeout=600):
+def run_on_ranks(body, args, backend, store_path, world=2, timeout=600, step_timeout=None):
     """body(rank, device, *args) in `world` spawned processes of one torch.distributed group
-    (gloo on CPU, NCCL on a GPU each); asserts every rank finished, else shows each rank's error."""
+    (gloo on CPU, NCCL on a GPU each); asserts every rank finished, else shows each rank's error.
+
+    A body that is a generator runs in steps: it yields (name, call); each rank calls call() and
+    reports what it did (outcome 'returned' or the exception's type, its text, seconds taken), then
+    waits, alive and outside any collective, until every rank has answered that step. A rank that
+    has not answered a step (or gone on to the next) within step_timeout is stuck: the run fails,
+    naming it. Returns {step name: [each rank's report]}."""
     context = mp.get_context("spawn")
-    failures = context.SimpleQueue()
-    processes = [context.Process(target=_run_rank, args=(body, args, rank, world, backend, str(store_path), failures))
+    failures, messages = context.SimpleQueue(), context.SimpleQueue()
+    between_steps = context.Barrier(world)
+    processes = [context.Process(target=_run_rank, args=(body, args, rank, world, backend, str(store_path), failures,
+                                                         messages, between_steps, timeout))
                  for rank in range(world)]
     for process in processes:
         process.start()
-    for process in processes:
-        process.join(timeout=timeout)
-    messages = []
+    began = time.monotonic()
+    reports, last, stuck = {}, {}, []  # last: each rank's latest (time, event, step)
+
+    def read_messages():
+        while not messages.empty():
+            rank, event, name, report = messages.get()
+            last[rank] = (time.monotonic(), event, name)
+            if event == "answered":
+                reports.setdefault(name, [None] * world)[rank] = report
+
+    while not stuck and any(process.is_alive() for process in processes):
+        read_messages()
+        if any(process.exitcode not in (None, 0) for process in processes):
+            break  # its error is in failures; its peers may wait for it forever
+        now = time.monotonic()
+        stuck = [rank for rank in range(world) if processes[rank].is_alive() and
+                 _is_stuck(last.get(rank), reports, last, now, step_timeout or timeout, now - began > timeout)]
+        time.sleep(0.05)
+    for rank in stuck:
+        os.kill(processes[rank].pid, signal.SIGUSR1)  # its Python stack, on stderr
+    killed = []
+    for rank, process in enumerate(processes):
+        process.join(timeout=1 if any(p.exitcode for p in processes) or stuck else timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            killed.append(rank)
+    read_messages()
+    lines = []
     while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
-    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+        lines.append(failures.get())
+    lines += [f"rank {rank}: exited with code {process.exitcode}" for rank, process in enumerate(processes)
+              if process.exitcode != 0 and rank not in killed and not any(f"rank {rank}:" in line for line in lines)]
+    for rank in stuck:
+        _, event, name = last.get(rank, (0, "starting", None))
+        where = {"started": f" in step {name!r}", "answered": f" after step {name!r}"}.get(event, "")
+        lines.append(f"rank {rank}: stuck{where}, killed after {step_timeout if where else timeout} s")
+    if lines:
+        lines += [f"step {name!r}, rank {rank}: {report}" for name, ranks in reports.items()
+                  for rank, report in enumerate(ranks)]
+    assert not lines, "\n".join(lines)
+    return reports
 
 
-def _run_rank(body, args, rank, world, backend, store_path, failures):
+def _is_stuck(mine, reports, last, now, step_timeout, too_long):
+    """Whether a rank whose latest event is `mine` has taken too long: over its step, or since every
+    rank answered the step it answered (a rank waiting for its peers' answers is not stuck)."""
+    if mine is None:
+        return too_long  # spawning, importing, joining the group: the run's timeout
+    since, event, name = mine
+    if event == "answered":
+        if None in reports[name]:
+            return False
+        since = max(at for at, _, step in last.values() if step == name)
+    return now - since > step_timeout
+
+
+def _run_rank(body, args, rank, world, backend, store_path, failures, messages, between_steps, timeout):
+    faulthandler.register(signal.SIGUSR1)  # the parent's signal where this rank is stuck
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        body(rank, device, *args)
+        steps = body(rank, device, *args)
+        for name, call in steps if inspect.isgenerator(steps) else ():
+            messages.put((rank, "started", name, None))
+            began = time.perf_counter()
+            try:
+                call()
+                outcome, text = "returned", ""
+            except Exception as error:  # the step's answer, which the test judges
+                outcome, text = type(error).__name__, str(error)
+            messages.put((rank, "answered", name, (outcome, text, time.perf_counter() - began)))
+            between_steps.wait(timeout)  # alive, in no collective, until every rank has answered
         dist.barrier()
     except BaseException as error:  # reported by the parent, with the rank
         failures.put(f"rank {rank}: {type(error).__name__}: {error}")

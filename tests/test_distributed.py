@@ -1,10 +1,13 @@
 """Vocabulary-parallel cross-entropy (losses.cross_entropy(..., process_group=...)) and linear
 cross-entropy (the output layer's rows sharded): 2 processes, each holding a shard of the
 classes, against the unsharded loss in float64 (loss, lse, and each rank's part of the
-gradients). On CPU with gloo (CI) and on 2 GPUs with NCCL."""
-import contextlib
+gradients); and faults injected on one rank of 2, 3 or 4, which every rank must report alike. On CPU
+with gloo (CI) and on 2 GPUs with NCCL."""
+import gc
 import os
 import random
+import re
+import time
 
 import pytest
 import torch
@@ -147,18 +150,12 @@ def check_linear_case(index, rank, group, device):
 
 def check_errors_and_edges(rank, group, device):
     logits = torch.randn(4, 10, device=device)
-    # Unequal shards without vocab_start: rank * C_r does not tile the vocabulary. A layout
-    # new to the rank raises; one it saw tile before (another rank's changed) gives NaN.
+    # Unequal shards without vocab_start: rank * C_r does not tile the vocabulary (more in check_faults).
     shard = logits[:, :3] if rank == 0 else logits[:, 3:]
     target = torch.zeros(4, dtype=torch.long, device=device)
-    vocab_parallel._checked_layouts.clear()
+    vocab_parallel._checked_layouts.clear()  # every rank sees its layout first (on a GPU, where each judges it)
     with pytest.raises(ValueError, match="do not tile"):
         losses.cross_entropy(shard, target, process_group=group)
-    if rank == 1:
-        vocab_parallel._checked_layouts.add((id(group), 7, 7))
-    with pytest.raises(ValueError, match="do not tile") if rank == 0 else contextlib.nullcontext():
-        loss = losses.cross_entropy(shard, target, process_group=group)
-        assert torch.isnan(loss)
     # A target outside [0, V): NaN for its row, as on one GPU; the other rows as ever.
     target = torch.tensor([1, 10, 7, -100], device=device)
     rows = losses.cross_entropy(logits[:, 5 * rank:5 * rank + 5], target, reduction="none", process_group=group)
@@ -239,3 +236,153 @@ def test_vocab_parallel_on_cpu_with_gloo(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
 def test_vocab_parallel_on_two_gpus_with_nccl(tmp_path):
     run_on_ranks(check_all, (range(120),), "nccl", tmp_path / "store", WORLD)
+
+
+# ----------------------------------------------------------------------------------
+# Faults, each injected on one rank: every rank raises the same error, naming that rank, within
+# FAULT_SECONDS (a rank that has not answered by then is stuck in a collective and fails the run).
+
+FAULT_SECONDS = 60
+ROWS, HIDDEN = 4, 6
+
+
+def tiling(world, empty=None):
+    """Every rank's (first class, classes): unequal shards, rank r holding r + 2 classes (none for `empty`)."""
+    widths = [0 if rank == empty else rank + 2 for rank in range(world)]
+    return [(sum(widths[:rank]), widths[rank]) for rank in range(world)]
+
+
+# name: (the faulty rank in a group of `world`, its change to its call, what every rank's error says)
+FAULTS = {
+    "overlap": (lambda world: world - 1, lambda call: dict(call, start=call["start"] - 1), "the two overlap"),
+    "gap": (lambda world: 0, lambda call: dict(call, start=1, width=1), r"classes \[0, 1\) belong to no rank"),
+    "past 2^24 classes": (lambda world: world - 1, lambda call: dict(call, start=2**24 - 1), "past class 2"),
+    "rows": (lambda world: 1, lambda call: dict(call, rows=ROWS - 1), "rows"),
+    "dtype": (lambda world: 0, lambda call: dict(call, dtype=torch.float64), "same dtype"),
+    "input width (linear)": (lambda world: world - 1, lambda call: dict(call, hidden=HIDDEN + 1), "width"),
+    "layout change between calls": (lambda world: world - 1, lambda call: dict(call, start=call["start"] + 1),
+                                    "belong to no rank"),
+    "group reused after destruction": (lambda world: world - 1, lambda call: dict(call, start=call["start"] - 1),
+                                       "the two overlap"),
+}
+# What a GPU cannot check after a rank's first call with its layout (reading the facts would sync).
+CHECKED_ON_CPU_ONLY = ("layout change between calls",)
+
+
+def one_call(loss, group, device, start, width, vocab=None, rows=ROWS, dtype=torch.float32, hidden=HIDDEN,
+             target=None):
+    """loss ('cross_entropy' or 'linear') on this rank's classes [start, start + width), forward and backward.
+    Given vocab (a valid layout), the inputs are the same on every rank and the loss and gradients are
+    checked against torch's unsharded ones (a target outside [0, V): NaN for its row alone)."""
+    generator = torch.Generator().manual_seed(0)
+    classes, first = (vocab, start) if vocab is not None else (width, 0)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype).to(device)
+    shape = (classes, hidden) if loss == "linear" else (rows, classes)  # the head (V, H), or the logits (N, V)
+    whole = torch.randn(shape, generator=generator).to(dtype).to(device)
+    if target is None:
+        target = torch.randint(0, max(classes, 1), (rows,), generator=generator).to(device)
+    mine = whole[first:first + width] if loss == "linear" else whole[:, first:first + width]
+    mine, x_mine = mine.clone().requires_grad_(), x.clone().requires_grad_()
+    if loss == "linear":
+        ours = losses.linear_cross_entropy(x_mine, mine, target, reduction="none", process_group=group,
+                                           vocab_start=start)
+    else:
+        ours = losses.cross_entropy(mine, target, reduction="none", process_group=group, vocab_start=start)
+    ours.sum().backward()
+    if vocab is None:
+        return
+    whole, x = whole.clone().requires_grad_(), x.clone().requires_grad_()
+    inside = (target >= 0) & (target < vocab)
+    theirs = F.cross_entropy(F.linear(x, whole) if loss == "linear" else whole, target.clamp(0, vocab - 1),
+                             reduction="none")
+    (theirs * inside).sum().backward()
+    assert torch.isnan(ours[~inside]).all(), f"{loss}: a target outside [0, {vocab}) gives {ours}"
+    torch.testing.assert_close(ours[inside], theirs[inside], msg=lambda m: f"{loss}: loss: {m}")
+    if inside.all():
+        part = whole.grad[first:first + width] if loss == "linear" else whole.grad[:, first:first + width]
+        torch.testing.assert_close(mine.grad, part, msg=lambda m: f"{loss}: grad: {m}")
+        if loss == "linear":
+            torch.testing.assert_close(x_mine.grad, x.grad, msg=lambda m: f"{loss}: input's grad: {m}")
+
+
+def check_faults(rank, device, policies):
+    """The steps of run_on_ranks: valid calls, then each fault on one rank, for both losses, under each
+    policy: 'every call' (CPU's, the facts read at every call) and 'first sight' (a GPU's: a rank reads
+    them where it first sees its layout; on CPU by making _reads_every_call say no, each fault on a group
+    every rank sees first, as a fresh process would)."""
+    world, group = dist.get_world_size(), dist.group.WORLD
+    layout = tiling(world)
+    start, width = layout[rank]
+    valid = dict(start=start, width=width, vocab=sum(layout[-1]))
+    for policy in policies:
+        if policy == "first sight":
+            vocab_parallel._reads_every_call = lambda shared: False
+        for loss in ("cross_entropy", "linear"):
+            yield f"{policy}: valid, {loss}", lambda: one_call(loss, group, device, **valid)
+            empty = tiling(world, empty=0)
+            yield (f"{policy}: valid, rank 0 holds no class, {loss}",
+                   lambda: one_call(loss, group, device, *empty[rank], vocab=sum(empty[-1])))
+            outside = torch.tensor([0, valid["vocab"], -5, 1], device=device)
+            yield f"{policy}: a target outside [0, V), {loss}", lambda: one_call(loss, group, device, **valid,
+                                                                                 target=outside)
+        for fault, (faulty, change, _) in FAULTS.items():
+            if policy == "first sight" and fault in CHECKED_ON_CPU_ONLY:
+                continue
+            mine = change(valid) if rank == faulty(world) else valid
+            mine = {key: value for key, value in mine.items() if key != "vocab"}
+            for loss in ("linear",) if "linear" in fault else ("cross_entropy", "linear"):
+                vocab_parallel._checked_layouts.clear()  # every rank sees the group first
+                if fault == "layout change between calls":
+                    yield f"{policy}: {fault}, {loss}", lambda: (one_call(loss, group, device, **valid),
+                                                                 one_call(loss, group, device, **mine))
+                elif fault == "group reused after destruction":
+                    old = dist.new_group(list(range(world)))
+                    one_call(loss, old, device, **valid)
+                    dist.barrier(group=old)  # destroyed under a peer's last all-reduce, torch 2.0's gloo hung
+                    dist.destroy_process_group(old)
+                    del old
+                    gc.collect()
+                    assert all(key is group for key in vocab_parallel._checked_layouts), "a dead group's layouts"
+                    new = dist.new_group(list(range(world)))
+                    yield f"{policy}: {fault}, {loss}", lambda: one_call(loss, new, device, **mine)
+                else:
+                    yield f"{policy}: {fault}, {loss}", lambda: one_call(loss, group, device, **mine)
+        for loss in ("cross_entropy", "linear"):  # the group goes on as before
+            yield f"{policy}: valid again, {loss}", lambda: one_call(loss, group, device, **valid)
+
+
+def check_fault_reports(reports, world, backend):
+    """Each fault: every rank raised the same ValueError, naming the faulty rank, within FAULT_SECONDS;
+    every valid step returned. Prints what each rank saw."""
+    print(f"\n{backend}, {world} ranks:")
+    for name, ranks in reports.items():
+        fault = next((fault for fault in FAULTS if f": {fault}, " in name), None)
+        outcomes = sorted({outcome for outcome, _, _ in ranks})
+        texts = sorted({text for _, text, _ in ranks})
+        print(f"  {name}: {'/'.join(outcomes)} on every rank, {max(s for _, _, s in ranks):.3f} s at most"
+              + (f": {texts[0]}" if fault and len(texts) == 1 else ""))
+        if fault is None:
+            assert outcomes == ["returned"], f"{name}: {ranks}"
+            continue
+        faulty, _, says = FAULTS[fault]
+        assert outcomes == ["ValueError"] and len(texts) == 1, f"{name}: not the same error on every rank: {ranks}"
+        assert f"rank {faulty(world)}" in texts[0] and re.search(says, texts[0]), f"{name}: {texts[0]}"
+        assert all(seconds < FAULT_SECONDS for _, _, seconds in ranks), f"{name}: {ranks}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_faults_raise_on_every_rank_with_gloo(tmp_path, world):
+    began = time.monotonic()
+    reports = run_on_ranks(check_faults, (("every call", "first sight"),), "gloo", tmp_path / "store", world,
+                           timeout=300, step_timeout=FAULT_SECONDS)
+    check_fault_reports(reports, world, "gloo")
+    print(f"  {time.monotonic() - began:.1f} s in all")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+def test_faults_raise_on_every_rank_with_nccl(tmp_path):
+    reports = run_on_ranks(check_faults, (("first sight",),), "nccl", tmp_path / "store", WORLD, timeout=300,
+                           step_timeout=FAULT_SECONDS)
+    check_fault_reports(reports, WORLD, "nccl")
