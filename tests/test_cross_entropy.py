@@ -667,7 +667,9 @@ def test_loss_is_exactly_zero_where_torchs_is(case, dtype, reduction, grad):
     ours = losses.cross_entropy(x, target, reduction=reduction)
     if reduction == "none":
         assert (ours[peaked] == 0).all(), ours[peaked]
-        torch.testing.assert_close(ours, theirs, rtol=FLOOR[dtype], atol=0)
+        # An ordinary row within 1 ulp of torch's: both round a float32 loss to the dtype (H200, float16,
+        # 'none': one row of 4227 at 7.9e-4 relative, over FLOOR's half ulp).
+        torch.testing.assert_close(ours, theirs, rtol=2 * FLOOR[dtype], atol=0)
         return
     assert ours.item() == 0
     if grad:
