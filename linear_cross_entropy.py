@@ -308,13 +308,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     indices, divisor: a 0-dim tensor in the accumulation type that 'mean' divides by, or None (the
     rows not ignored). Returns (loss, lse) in the accumulation type: loss 0-dim for 'mean' and
     'sum', (N,) for 'none'; lse (N,) without gradient. options: (ignore_index, label_smoothing,
-    z_loss, softcap or 0, reduction, shards, schedule (choose_schedule's), wants (input, weight, bias)).
+    z_loss, softcap or 0, reduction, shards, schedule (choose_schedule's), wants (input, weight, bias),
+    allow_retain_graph (backward's scale of forward-written gradients into new tensors)).
     The caller casts the loss: a cast here that returns its input (float32) made torch.compile
     (torch 2.11) hand backward a grad_output of 0."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, divisor, options):
-        *arguments, shards, schedule, wants = options
+        *arguments, shards, schedule, wants, _ = options
         ctx.options, ctx.dtypes = options, (weight.dtype, None if bias is None else bias.dtype)
         weight = weight.to(x.dtype)  # autocast's copy of a float32 master, as eager's F.linear makes
         bias = None if bias is None else bias.to(x.dtype)
@@ -344,7 +345,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         helpers.no_second_derivative("linear_cross_entropy")
         if grad_output is None:
             return None, None, None, None, None, None
-        *arguments, shards, schedule, wants = ctx.options
+        *arguments, shards, schedule, wants, _ = ctx.options
         if schedule == "classes":
             x, weight, bias, target, softmax_stats, count, classes = row_passes.saved_tensors(ctx)
             if shards is None and helpers.is_compiling():
@@ -368,7 +369,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _scaled_forward_gradients(ctx, grad_output):
     """The gradients the forward wrote for a grad_output of 1, times grad_output: in place for
     a scalar loss (on CUDA no work at all for 1; so a second backward would scale them twice
-    and raises), a new tensor for 'none' (rows only: the forward summed nothing). Returns them
+    and raises), new tensors for 'none' (rows only: the forward summed nothing) or where options
+    allow a second backward (allow_retain_graph: a pass over each gradient). Returns them
     and the other saved tensors, read first: an in-place scale on CPU bumps a saved tensor's
     version, which a later read of ctx.saved_tensors refuses."""
     if ctx.scaled:
@@ -376,7 +378,7 @@ def _scaled_forward_gradients(ctx, grad_output):
                            "a second backward through the same call is not supported (retain_graph=True)")
     saved = ctx.saved_tensors
     grads, others = saved[:3], saved[3:]
-    if grad_output.dim() or helpers.is_compiling():  # new tensors ('none'; a compiled graph is functional)
+    if grad_output.dim() or helpers.is_compiling() or ctx.options[-1]:  # a compiled graph is functional
         scale = grad_output[:, None] if grad_output.dim() else grad_output
         return tuple(None if grad is None else grad * scale.to(grad.dtype) for grad in grads), others
     ctx.scaled = True
@@ -404,14 +406,16 @@ def _from_torch_options(options) -> dict:
     keyword arguments: acc_policy "accurate" (d linear_weight summed in float32) ->
     float32_weight_sum=True; "compact" and "auto" -> False. Nothing else maps: batch_chunk_size and
     chunking_method (chunks here follow a memory rule: chunk_width, row_chunk_rows), acc_dtype (sums
-    here are float32, float64 for float64), allow_retain_graph (a second backward through gradients
-    the forward wrote raises here). Raises unless options is None or, where torch has the class,
+    here are float32, float64 for float64). allow_retain_graph: a second backward through a call
+    whose forward wrote its gradients (they are scaled into new tensors). Raises unless options is
+    None or, where torch has the class,
     one of its instances."""
     if options is None:
         return {}
     if _TORCH_OPTIONS is not None and not isinstance(options, _TORCH_OPTIONS):
         raise ValueError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got {type(options).__name__}")
-    return {"float32_weight_sum": getattr(options, "acc_policy", "auto") == "accurate"}
+    return {"float32_weight_sum": getattr(options, "acc_policy", "auto") == "accurate",
+            "allow_retain_graph": bool(getattr(options, "allow_retain_graph", False))}
 
 
 def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
@@ -560,8 +564,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" (d
     linear_weight summed in float32) is choose_schedule's float32_weight_sum: a 2-byte
     linear_weight's gradient summed over chunks of rows in a float32 buffer (C x H x 4 bytes), in
-    the forward. acc_dtype is ignored (sums are float32, float64 for float64), and so is
-    allow_retain_graph: a second backward through a call whose forward wrote its gradients raises.
+    the forward. acc_dtype is ignored (sums are float32, float64 for float64). Without
+    allow_retain_graph a second backward through a call whose forward wrote its gradients raises;
+    with it backward scales them into new tensors (a pass over each).
 
     Ours, keywords after torch's: z_loss and return_lse as in cross_entropy (lse in target's
     shape for class indices, float32); softcap: the logits become softcap * tanh(logits /
@@ -579,6 +584,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                                      label_smoothing, z_loss, softcap)
     _check_divisor(divisor, reduction)
     schedule_options = _from_torch_options(options)
+    allow_retain_graph = schedule_options.pop("allow_retain_graph", False)
     why_whole = _why_logits_whole(linear_weight, probabilities, weight)
     if process_group is not None and why_whole is not None:
         raise ValueError(f"process_group takes class indices without class weights and a (C, H) linear_weight, got "
@@ -615,7 +621,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                                    **schedule_options)
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
-            schedule, wants))
+            schedule, wants, allow_retain_graph))
         loss = loss.to(torch.float32 if float_loss else input.dtype)
     if input.dim() == 1 and reduction == "mean" and not label_smoothing and input.is_cuda:
         # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0: as cross_entropy's.

@@ -662,15 +662,31 @@ def test_torchs_options_change_no_result():
     assert linear_cross_entropy._from_torch_options(None) == {}
     for policy, float32 in (("accurate", True), ("compact", False), ("auto", False)):
         mapped = linear_cross_entropy._from_torch_options(options_class(acc_policy=policy))
-        assert mapped == {"float32_weight_sum": float32}
+        assert mapped == {"float32_weight_sum": float32, "allow_retain_graph": False}
     with pytest.raises(ValueError, match="options must be None or a torch.nn.LinearCrossEntropyOptions"):
         losses.linear_cross_entropy(x, w, t, options={"acc_policy": "accurate"})
+
+
+@pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is None, reason="torch has no LinearCrossEntropyOptions")
+def test_allow_retain_graph_allows_a_second_backward():
+    """torch's option: the forward-written gradients scaled into new tensors, each backward alike."""
+    x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
+    x.requires_grad_(), w.requires_grad_()
+    loss = losses.linear_cross_entropy(x, w, t, linear_bias=b,
+                                       options=linear_cross_entropy._TORCH_OPTIONS(allow_retain_graph=True))
+    first = torch.autograd.grad(loss, [x, w], torch.tensor(2.0, dtype=torch.float64), retain_graph=True)
+    second = torch.autograd.grad(loss, [x, w], torch.tensor(2.0, dtype=torch.float64))
+    expected = torch.autograd.grad(reference(dict(reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None))(
+        x, w, t, b), [x, w], torch.tensor(2.0, dtype=torch.float64))
+    for a, c, e in zip(first, second, expected):
+        assert torch.equal(a, c)
+        torch.testing.assert_close(a, e)
 
 
 @pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is not None, reason="torch has LinearCrossEntropyOptions")
 def test_without_torchs_options_class_options_are_read_where_they_map():
     options = types.SimpleNamespace(acc_policy="accurate", batch_chunk_size=2)
-    assert linear_cross_entropy._from_torch_options(options) == {"float32_weight_sum": True}
+    assert linear_cross_entropy._from_torch_options(options) == {"float32_weight_sum": True, "allow_retain_graph": False}
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     assert torch.equal(losses.linear_cross_entropy(x, w, t, options=options), losses.linear_cross_entropy(x, w, t))
 
