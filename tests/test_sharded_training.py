@@ -20,6 +20,8 @@ try:
     import transformers
 except ImportError:
     transformers = None
+# fuse_causal_lm_loss replaces model.loss_function: transformers 4.48+
+HAS_TRANSFORMERS = transformers is not None and hasattr(transformers.LlamaForCausalLM, "loss_function")
 
 WORLD, VOCAB, HIDDEN, SEQUENCE, BATCH, STEPS = 2, 96, 32, 12, 4, 10
 LOSSES = ("cross_entropy", "linear_cross_entropy", "mse_loss", "kl_div")
@@ -85,7 +87,7 @@ def train(loss, ours, tied, wrapper, rank, device):
 
 def wrap(model, layers, wrapper):
     """model under DDP, or under FSDP2: each of layers and the root (holding the head, unsharded in
-    the model's forward) under fully_shard with bfloat16 parameters; None: as it is."""
+    the model's forward) under fully_shard with bfloat16 parameters."""
     if wrapper == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     if wrapper == "fsdp2":
@@ -225,7 +227,7 @@ def test_ddp_and_fsdp2_training_matches_torchs_losses(tmp_path, backend):
 
 
 @needs_distributed
-@pytest.mark.skipif(transformers is None, reason="needs transformers")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers 4.48+")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_llama_trains_as_with_its_own_loss(tmp_path, backend):
     run_on_ranks(check_llama_training, (WRAPPERS,), backend, tmp_path / "store", WORLD, timeout=300)
