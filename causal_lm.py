@@ -110,9 +110,13 @@ def causal_lm_loss(hidden, output_layer: nn.Linear, labels, *, softcap=None, num
     divisor = num_items_in_batch
     if isinstance(divisor, torch.Tensor):
         divisor = divisor.to(hidden.device).reshape(())
-    loss = lce.linear_cross_entropy(hidden, output_layer.weight, shift_labels, linear_bias=output_layer.bias,
-                                    reduction="mean" if divisor is None else "sum", ignore_index=ignore_index,
-                                    softcap=softcap, divisor=divisor)
+    # transformers takes the loss of the logits in float32: a 2-byte model's on CUDA is autocast's, whose
+    # loss linear_cross_entropy keeps in float32 (not rounded to the logits' dtype). On CPU it is rounded.
+    two_bytes = hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled()
+    with torch.autocast("cuda", dtype=hidden.dtype) if two_bytes else contextlib.nullcontext():
+        loss = lce.linear_cross_entropy(hidden, output_layer.weight, shift_labels, linear_bias=output_layer.bias,
+                                        reduction="mean" if divisor is None else "sum", ignore_index=ignore_index,
+                                        softcap=softcap, divisor=divisor)
     return loss.float()
 
 
