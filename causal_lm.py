@@ -59,7 +59,8 @@ def fuse_causal_lm_loss(model):
     (-100 unless passed), and with num_items_in_batch (gradient accumulation) the sum over it:
     reduction 'sum' with divisor=num_items_in_batch, folded into the gradient the forward writes.
     The output layer's bias, config.final_logit_softcapping (softcap=) and what the model adds to
-    the loss (a MoE's aux loss) are kept; the loss is float32, as the model's. Every output is
+    the loss (a MoE's aux loss) are kept; the loss is float32, as the model's (on CPU a 2-byte
+    model's is rounded to its dtype first). Every output is
     returned as the model's (past_key_values, hidden_states, attentions; a tuple for
     return_dict=False) except logits, None. With logits_to_keep (num_logits_to_keep), the loss
     covers the kept positions, with shift_labels of their shape. Without labels the model's forward

@@ -61,8 +61,8 @@ def chunk_width(rows: int, vocab: int, element_size: int) -> int:
 
 
 # Row chunks hold every class, so each row's lse is complete in its chunk: at most ROW_CHUNK_BYTES
-# of logits. The row passes take a warp a row: fewer rows starve them (H100, frozen Llama 3 8192
-# rows a step: 64 MB chunks 40.4 ms, 128 MB 32.4, 256 MB 29.1; Gemma 2: 117, 62.8, 44.2).
+# of logits. Smaller chunks cost the products and the row passes their efficiency (H100, frozen
+# Llama 3 8192 rows a step: 128 MB chunks 31.3 ms, 256 MB 28.7, 512 MB 27.0; notes v47).
 ROW_CHUNK_BYTES = 1 << 28
 ROW_ALIGN = 128  # rows a chunk: whole tiles for the matrix products
 # d weight summed over row chunks is read and written once a chunk (V x H x 8 bytes): at least
@@ -230,8 +230,8 @@ def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ig
 
 
 # ----------------------------------------------------------------------------------
-# Under torch.compile the two passes are opaque ops: a tracer sees two calls, not the chunk
-# loop with its out= products. (The row passes' kernels have compile ops of their own.) No
+# Under torch.compile the passes (loss, rows, gradients) are opaque ops: a tracer sees one call
+# each, not the chunk loops with their out= products. (The row passes' kernels have compile ops of their own.) No
 # C++ side: these schemas are their only declaration.
 
 _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
@@ -270,7 +270,8 @@ def _rows_fake(x, weight, bias, target, divisor, *options):
     wants = options[-1]
     loss, softmax_stats, count = _loss_fake(x, weight, bias, target, divisor, *options[:-1])
     acc = softmax_stats.dtype
-    grads = (torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc), weight.new_empty(weight.shape[0], dtype=acc))
+    grads = (torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc),
+             weight.new_empty(weight.shape[0], dtype=acc))
     return (loss, softmax_stats, count, *(grad if want else x.new_empty(0) for grad, want in zip(grads, wants)))
 
 
@@ -402,14 +403,13 @@ _SIGNATURE = ("linear_cross_entropy(input, linear_weight, target, *, linear_bias
 
 
 def _from_torch_options(options) -> dict:
-    """What of torch's LinearCrossEntropyOptions maps onto this implementation, as choose_schedule's
-    keyword arguments: acc_policy "accurate" (d linear_weight summed in float32) ->
-    float32_weight_sum=True; "compact" and "auto" -> False. Nothing else maps: batch_chunk_size and
-    chunking_method (chunks here follow a memory rule: chunk_width, row_chunk_rows), acc_dtype (sums
-    here are float32, float64 for float64). allow_retain_graph: a second backward through a call
-    whose forward wrote its gradients (they are scaled into new tensors). Raises unless options is
-    None or, where torch has the class,
-    one of its instances."""
+    """What of torch's LinearCrossEntropyOptions maps onto this implementation: float32_weight_sum
+    (choose_schedule's keyword) from acc_policy "accurate" (d linear_weight summed in float32;
+    "compact" and "auto": False), and allow_retain_graph (a second backward through a call whose
+    forward wrote its gradients: they are scaled into new tensors). Nothing else maps:
+    batch_chunk_size and chunking_method (chunks here follow a memory rule: chunk_width,
+    row_chunk_rows), acc_dtype (sums here are float32, float64 for float64). Raises unless options
+    is None or, where torch has the class, one of its instances."""
     if options is None:
         return {}
     if _TORCH_OPTIONS is not None and not isinstance(options, _TORCH_OPTIONS):

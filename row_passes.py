@@ -9,8 +9,8 @@ row's scale, writes the chunk's gradient. Three schedules run them:
 - RowPassCrossEntropy (here): whole (rows, C) logits, for cross_entropy with softcap, and a
   vocabulary shard's logits (vocab_parallel.py; with class weights or probabilities too), whose
   statistics are combined across the group between the passes (its Shards object);
-- linear_cross_entropy.py: chunks of logits that a matrix product just wrote, recomputed in
-  backward and turned into their gradient in place.
+- linear_cross_entropy.py: chunks of logits (of rows or of classes) that a matrix product just
+  wrote, turned into their gradient in place (in the forward, or recomputed in backward).
 """
 from __future__ import annotations
 

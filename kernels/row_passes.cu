@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
 }
 
 // Warps a row: one, or the whole block where the rows are too few for a warp each to keep the
-// memory busy (H100, 1024 rows of 128256 bf16 logits a chunk: see notes/performance.md).
+// memory busy (H100, Gemma 2's 512-row chunks of 256000 classes: frozen head 44.0 -> 39.5 ms; notes v47).
 int warps_per_row(int64_t rows, int device) {
   return rows < int64_t(multiprocessor_count(device)) * 32 ? kChunkWarps : 1;
 }
