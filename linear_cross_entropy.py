@@ -118,12 +118,23 @@ def _add_matmul_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: b
     beta = 0 if first else 1
     if a.dtype == total.dtype:
         total.addmm_(a, b, beta=beta)
-    elif _ADDMM_OUT_DTYPE and a.is_cuda:
+    elif not a.is_cuda:
+        total.addmm_(a.to(total.dtype), b.to(total.dtype), beta=beta)  # as _mm
+    elif _ADDMM_OUT_DTYPE:
         torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype, out=total)
     elif first:  # older torch: each chunk's product rounded once to the operands' dtype
         total.copy_(a @ b)
     else:
         total.add_(a @ b)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b. On CPU 2-byte operands are multiplied in float32, rounded once: torch 2.0's CPU
+    kernels sum some shapes in the 2-byte type, twice eager's error on d weight."""
+    if a.is_cuda or a.dtype not in helpers.LOW_PRECISION:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a.float() @ b.float())
 
 
 def _counts(target, ignore_index: int, divisor):
@@ -159,7 +170,7 @@ def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats
         if wants[0]:
             _add_matmul_(grad_x, g, w)
         if wants[1]:
-            torch.mm(g.t(), x, out=grad_w[first:end])
+            _mm(g.t(), x, grad_w[first:end])
         if wants[2]:
             torch.sum(g, 0, dtype=acc, out=grad_b[first:end])
     return grad_x, grad_w, grad_b
@@ -203,7 +214,7 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
             row_passes.write_gradient(z, z, t, 0, vocab, row_passes.softmax_stats_of(chunk_stats),
                                       row_scale[first:end], label_smoothing, z_loss, softcap)
         if wants[0]:
-            torch.mm(z, weight, out=grad_x[first:end])
+            _mm(z, weight, grad_x[first:end])
         if wants[1]:
             _add_matmul_(grad_w, z.t(), x[first:end], first=first == 0)
         if wants[2]:
