@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -378,6 +379,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(ctx.dtypes[1]), None, None, None)
 
 
+_SCALING = threading.Lock()
+
+
 def _scaled_forward_gradients(ctx, grad_output):
     """The gradients the forward wrote for a grad_output of 1, times grad_output: in place for
     a scalar loss (on CUDA no work at all for 1; so a second backward would scale them twice
@@ -385,15 +389,18 @@ def _scaled_forward_gradients(ctx, grad_output):
     allow a second backward (allow_retain_graph: a pass over each gradient). Returns them
     and the other saved tensors, read first: an in-place scale on CPU bumps a saved tensor's
     version, which a later read of ctx.saved_tensors refuses."""
-    if ctx.scaled:
-        raise RuntimeError("linear_cross_entropy wrote its gradients in the forward and its backward scaled them: "
-                           "a second backward through the same call is not supported (retain_graph=True)")
+    in_place = not (grad_output.dim() or helpers.is_compiling() or ctx.options[-1])  # a compiled graph is functional
+    if in_place:
+        with _SCALING:  # backwards of a retained graph may run on several threads: one of them scales
+            already_scaled, ctx.scaled = ctx.scaled, True
+        if already_scaled:
+            raise RuntimeError("linear_cross_entropy wrote its gradients in the forward and its backward scaled "
+                               "them: a second backward through the same call is not supported (retain_graph=True)")
     saved = ctx.saved_tensors
     grads, others = saved[:3], saved[3:]
-    if grad_output.dim() or helpers.is_compiling() or ctx.options[-1]:  # a compiled graph is functional
+    if not in_place:
         scale = grad_output[:, None] if grad_output.dim() else grad_output
         return tuple(None if grad is None else grad * scale.to(grad.dtype) for grad in grads), others
-    ctx.scaled = True
     for grad in grads:
         if grad is None or grad.numel() == 0:
             continue

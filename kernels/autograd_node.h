@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -56,6 +57,9 @@ struct ScaleSavedGradients : torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override {
     // Grad mode is on in backward only for create_graph=True: the gradient must carry a graph.
     if (at::GradMode::is_enabled()) return gradient_graph(grad_outputs[0]);
+    // Backwards of a retained graph may run this node on several threads at once (as torch's own
+    // nodes, which lock it too): one hands the gradients on, the others raise or take copies.
+    std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!handed_on,
                 "Trying to backward through the graph a second time: this fused loss handed on the gradient its "
                 "forward computed. Specify retain_graph=True if you need to backward through the graph a second time.");
@@ -101,7 +105,10 @@ struct ScaleSavedGradients : torch::autograd::Node {
     return out;
   }
 
-  void release_variables() override { grads.clear(); }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    grads.clear();
+  }
 
   std::string name() const override { return "FusedLossBackward"; }
 };

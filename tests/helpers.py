@@ -9,12 +9,14 @@ within ULPS units in the last place of the truth.
 Our outputs land in memory poisoned with NaN first, so an element the kernel did not
 write shows up as an error.
 """
+import concurrent.futures
 import faulthandler
 import inspect
 import json
 import math
 import os
 import signal
+import threading
 import time
 from typing import Callable, NamedTuple, Tuple
 
@@ -381,3 +383,18 @@ def _run_rank(body, args, rank, world, backend, store_path, failures, messages, 
     # Every rank is done: leave without tearing the group down, whose destructors hung one
     # rank of a gloo pair on torch 2.0 in about 1 run of 5 (the other had exited).
     os._exit(0)
+
+
+def backwards_on_threads(loss, leaf, grad_outputs, retain_graph):
+    """torch.autograd.grad(loss, leaf, g) on a thread per g, all started at once: each thread's
+    gradient, or the RuntimeError it raised."""
+    barrier = threading.Barrier(len(grad_outputs))
+
+    def backward(grad_output):
+        barrier.wait()
+        try:
+            return torch.autograd.grad(loss, leaf, grad_output, retain_graph=retain_graph)[0]
+        except RuntimeError as error:
+            return error
+    with concurrent.futures.ThreadPoolExecutor(len(grad_outputs)) as pool:
+        return list(pool.map(backward, grad_outputs))

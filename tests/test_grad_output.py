@@ -11,7 +11,7 @@ import torch.autograd.forward_ad as fwAD
 
 import loss_helpers
 import losses
-from helpers import FLOOR, LOSSES, check_against_float64, max_ulps, rel_err
+from helpers import FLOOR, LOSSES, backwards_on_threads, check_against_float64, max_ulps, rel_err
 
 CASES = [(name, reduction, grad_of)
          for name, loss in LOSSES.items()
@@ -109,6 +109,25 @@ def test_backward_again_with_retain_graph_matches_torch(name, reduction):
         torch.testing.assert_close(mine, torchs)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_concurrent_backwards_of_one_graph(name):
+    """Backwards of a retained graph on 8 threads at once each get their own gradient, as from
+    torch's nodes; without retain_graph one thread gets the gradient and the others raise."""
+    inputs = LOSSES[name].inputs(64, 1000, torch.float32)
+    leaf = inputs[0].requires_grad_()
+    reference = LOSSES[name].reference("sum")(*inputs)
+    scales = [torch.tensor(2.0 ** k + k, device="cuda") for k in range(8)]
+    loss = LOSSES[name].fused("sum")(*inputs)
+    for _ in range(5):
+        for got, scale in zip(backwards_on_threads(loss, leaf, scales, retain_graph=True), scales):
+            torch.testing.assert_close(got, torch.autograd.grad(reference, leaf, scale, retain_graph=True)[0])
+    outcomes = backwards_on_threads(LOSSES[name].fused("sum")(*inputs), leaf, scales, retain_graph=False)
+    errors = [outcome for outcome in outcomes if isinstance(outcome, RuntimeError)]
+    assert len(errors) == 7, errors
+    assert all("second time" in str(error) for error in errors), errors
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from torch import nn
 import linear_cross_entropy
 import cross_entropy
 import losses
-from helpers import check_against_float64 as check_float64
+from helpers import backwards_on_threads, check_against_float64 as check_float64
 
 
 def check_against_float64(*args, **kwargs):
@@ -143,6 +143,21 @@ def test_a_second_backward_of_forward_written_gradients_raises():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+def test_concurrent_backwards_of_forward_written_gradients():
+    """Backwards of a retained graph on 8 threads at once: one scales the gradients in place and
+    gets them right, the others raise (none scales them a second time)."""
+    x, w, t, b = make_inputs((64,), 8, 20, torch.float64, "cpu")
+    x.requires_grad_()
+    expected = torch.autograd.grad(reference(dict(OPTIONS[0], reduction="mean"))(x, w, t, b), x,
+                                   torch.tensor(3.0, dtype=torch.float64))[0]
+    for _ in range(20):
+        loss = losses.linear_cross_entropy(x, w, t, linear_bias=b)
+        outcomes = backwards_on_threads(loss, x, [torch.tensor(3.0, dtype=torch.float64)] * 8, retain_graph=True)
+        grads = [outcome for outcome in outcomes if not isinstance(outcome, RuntimeError)]
+        assert len(grads) == 1 and all("second backward" in str(error) for error in outcomes if error is not grads[0])
+        torch.testing.assert_close(grads[0], expected)
 
 
 @pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
