@@ -238,6 +238,8 @@ def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ig
                                               wants)
     if grad_x is not None and shards is not None:
         shards.sum_over_group(grad_x)  # every rank's classes add to it
+    if shards is not None:
+        shards.raise_if_invalid()
     return None if grad_x is None else grad_x.to(x.dtype), grad_w, grad_b
 
 
@@ -640,6 +642,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
             schedule, wants, allow_retain_graph))
+        if shards is not None and not any(wants):  # else backward raises, after its all-reduce
+            shards.raise_if_invalid()
         loss = loss.to(torch.float32 if float_loss else input.dtype)
     if input.dim() == 1 and reduction == "mean" and not label_smoothing and input.is_cuda:
         # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0: as cross_entropy's.

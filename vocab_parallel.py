@@ -13,12 +13,15 @@ result is deterministic for a fixed group.
 Shards tile [0, V) in any rank order (an empty shard anywhere). A rank's first class is
 `vocab_start`, by default rank * C_r (equal shards). Validity is decided collectively: a first, tiny
 all-reduce, before any of the rows' size, carries every rank's facts (first class, classes, rows, input
-width, dtype), which check_group reads alike on every rank: a fault on one rank raises the same ValueError,
-naming it, on every rank. On CPU the facts are host memory, read at every call. On a GPU a read is a host
-sync: a rank reads them when it first sees its layout (group, first class, classes, dtype), and not after
-(CUDA graphs capture after a warm-up call). Later, a layout new to one rank raises there alone, its peers
-waiting for it in their next all-reduce; other rows or input width go unseen; a layout every rank checked
-before that no longer tiles gives NaN on every rank (the device's verdict, _layout_on_device).
+width, dtype), which every rank that reads them judges alike. Ranks that disagree on rows, width or dtype
+raise at once (their all-reduces could not match); a tiling that fails (overlap, gap, past the class limit)
+raises after the call's last all-reduce (raise_if_invalid: for linear_cross_entropy with gradients, in
+backward), so no peer is left waiting. On CPU the facts are host memory, read at every call: every rank
+raises the same ValueError, naming the faulty rank. On a GPU a read is a host sync: a rank reads them when
+it first sees its layout (group, first class, classes, dtype), and not after (CUDA graphs capture after a
+warm-up call). So where every rank is new to its layout, every rank raises; a layout new to one rank
+later raises there alone, and its peers, which read nothing, get NaN (the device's verdict,
+_layout_on_device); other rows or input width after a rank's first call go unseen.
 Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
 Every call takes the row-pass engine (row_passes.py) over the shard: its statistics, combined
@@ -60,10 +63,10 @@ def check_group_device(group, logits: torch.Tensor) -> None:
         raise ValueError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
 
 
-def check_group(facts) -> str | None:
-    """The group's verdict from every rank's facts (a row a rank: first class, classes, rows, input width,
-    dtype code): what is wrong, naming the offending rank and what was expected, or None. Every rank
-    reads the same facts, so every rank gets the same text."""
+def check_agreement(facts) -> str | None:
+    """What the ranks' facts (a row a rank: first class, classes, rows, input width, dtype code) disagree
+    on, naming the odd rank and what most ranks have, or None. Every rank reads the same facts, so every
+    rank gets the same text. Such calls cannot go on: their all-reduces would differ in size or dtype."""
     for column, says in ((4, "input is {}, rank {}'s {}: every rank's must be the same dtype"),
                          (2, "input has {} rows, rank {}'s {}: every rank takes the same rows"),
                          (3, "input has width {}, rank {}'s {}: every rank takes the same input")):
@@ -72,6 +75,12 @@ def check_group(facts) -> str | None:
         odd = [rank for rank, value in enumerate(values) if value != usual]
         if odd:
             return f"process_group: rank {odd[0]}'s " + says.format(values[odd[0]], values.index(usual), usual)
+    return None
+
+
+def check_tiling(facts) -> str | None:
+    """Whether the shards tile [0, V) within the class limit: what is wrong, naming the offending rank and
+    what was expected, or None (the same text on every rank)."""
     listed = ", ".join(f"rank {rank} [{start}, {start + width})" for rank, (start, width, *_) in enumerate(facts))
     shards = sorted((start, start + width, rank) for rank, (start, width, *_) in enumerate(facts) if width > 0)
     dtype = _DTYPES[facts[0][4]]
@@ -109,7 +118,7 @@ def _reads_every_call(shared: torch.Tensor) -> bool:
 
 
 def _layout_on_device(shared: torch.Tensor, dtype: torch.dtype):
-    """(V, whether the layout is valid), on the device: check_group's class limit and tiling, for the calls
+    """(V, whether the layout is valid), on the device: check_tiling's verdict, for the calls
     that do not read the facts. Sorted by first class, each shard starts where the one before ends; an
     empty shard, whose first class does not matter, sorts first."""
     widths = shared[:, 1]
@@ -124,9 +133,9 @@ def _layout_on_device(shared: torch.Tensor, dtype: torch.dtype):
 
 class Shards:
     """The classes split among a group's ranks, as this rank sees them: its first class `start` and its
-    width `local`. Made on every rank at once: the facts' all-reduce, checked (check_group) on every call
-    on CPU and where this rank sees its layout first on a GPU; `hidden`: input's width (linear), which
-    backward's all-reduce of d input needs equal."""
+    width `local`. Made on every rank at once: the facts' all-reduce, checked (check_agreement, check_tiling)
+    on every call on CPU and where this rank sees its layout first on a GPU; `hidden`: input's width
+    (linear), which backward's all-reduce of d input needs equal."""
 
     def __init__(self, group, local: int, vocab_start: int | None, like: torch.Tensor, hidden: int = 0):
         check_group_device(group, like)
@@ -134,11 +143,15 @@ class Shards:
         self.start = shard_start(group, local, vocab_start)
         shared = _share_facts(group, like, (self.start, local, like.shape[0], hidden, _DTYPES.index(like.dtype)))
         layout, checked = (self.start, local, like.dtype), _checked_layouts.setdefault(group, set())
-        if _reads_every_call(shared) or layout not in checked:  # every rank reads the same facts: all raise
-            error = check_group(shared.tolist())
-            if error is not None:
+        self.error = None  # a tiling this rank saw fail: raise_if_invalid raises it once the call's all-reduces are done
+        if _reads_every_call(shared) or layout not in checked:
+            facts = shared.tolist()
+            error = check_agreement(facts)
+            if error is not None:  # where every rank reads (CPU, or a first call everywhere), every rank raises
                 raise ValueError(error)
-            checked.add(layout)
+            self.error = check_tiling(facts)
+            if self.error is None:
+                checked.add(layout)
         self.vocab, self.valid = _layout_on_device(shared, like.dtype)
 
     def combine(self, stats):
@@ -158,6 +171,12 @@ class Shards:
         sums[0] = torch.where(self.valid, sums[0], torch.nan)
         return torch.cat([row_max[None], sums]), self.vocab.to(stats.dtype)
 
+    def raise_if_invalid(self) -> None:
+        """Called after the call's last all-reduce (for linear_cross_entropy with gradients, backward's), so that
+        a rank that raises leaves no peer waiting: the ranks that read the facts raise, the others have NaN."""
+        if self.error is not None:
+            raise ValueError(self.error)
+
     def sum_over_group(self, tensor: torch.Tensor) -> None:
         """In place: the sum of `tensor` over the group (input's gradient, to which every rank's classes add)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
@@ -171,4 +190,5 @@ def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_lo
     shards = Shards(group, logits.shape[1], vocab_start, logits)
     loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), weight, (
         ignore_index, label_smoothing, z_loss, softcap or 0.0, reduction, shards))
+    shards.raise_if_invalid()  # its backward has no all-reduce
     return loss.to(torch.float32 if float_loss else logits.dtype), lse
