@@ -384,6 +384,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 _SCALING = threading.Lock()
 
 
+def _times(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """grad * scale in the accumulation type, rounded once to grad's dtype (autocast's float32 grad_output is
+    not rounded to bfloat16 first)."""
+    acc = helpers.accumulation_dtype(grad.dtype)
+    return (grad.to(acc) * scale.to(acc)).to(grad.dtype)
+
+
 def _scaled_forward_gradients(ctx, grad_output):
     """The gradients the forward wrote for a grad_output of 1, times grad_output: in place for
     a scalar loss (on CUDA no work at all for 1; so a second backward would scale them twice
@@ -402,15 +409,15 @@ def _scaled_forward_gradients(ctx, grad_output):
     grads, others = saved[:3], saved[3:]
     if not in_place:
         scale = grad_output[:, None] if grad_output.dim() else grad_output
-        return tuple(None if grad is None else grad * scale.to(grad.dtype) for grad in grads), others
+        return tuple(None if grad is None else _times(grad, scale) for grad in grads), others
     for grad in grads:
         if grad is None or grad.numel() == 0:
             continue
-        scale = grad_output.to(grad.dtype)
+        scale = helpers.scale_operand(grad_output, grad.dtype)
         if grad.is_cuda:
             helpers.kernel_ops("row_passes", grad).scale_by_grad_output_(grad, scale)
         else:
-            grad.mul_(scale)
+            grad.copy_(_times(grad, scale))  # as the kernel does
     return grads, others
 
 

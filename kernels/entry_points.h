@@ -38,6 +38,9 @@ inline DType dtype_of(const at::Tensor& tensor) {
 
 inline ScalarOut scalar_out(const at::Tensor& loss) { return {loss.data_ptr(), dtype_of(loss)}; }
 
+// What the kernels accumulate in: float64 for float64, else float32.
+inline at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
+
 inline void* data_or_null(const at::Tensor& tensor) { return tensor.defined() ? tensor.data_ptr() : nullptr; }
 
 // One call's launch context: the current stream of `like`'s device (made current for the
@@ -138,12 +141,13 @@ inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
 inline void scale_by_grad_output_over_guess_(at::Tensor grad, const at::Tensor& grad_output,
                                              const at::Tensor& guess) {
   TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
-  TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type() &&
-                  grad_output.device() == grad.device(),
-              "grad_output must be one element of grad's dtype on grad's device");
+  TORCH_CHECK(grad_output.numel() == 1 && grad_output.device() == grad.device() &&
+                  (grad_output.scalar_type() == grad.scalar_type() ||
+                   grad_output.scalar_type() == accumulation_type(grad.scalar_type())),
+              "grad_output must be one element, of grad's dtype or its accumulation type, on grad's device");
   if (grad.numel() == 0) return;
   CallContext context(grad);
-  scale_by_grad_output_launch(dtype_of(grad), grad.data_ptr(), grad.numel(), grad_output.data_ptr(),
+  scale_by_grad_output_launch(dtype_of(grad), grad.data_ptr(), grad.numel(), scalar_out(grad_output),
                               guess.defined() ? scalar_out(guess) : ScalarOut{}, context.launch());
 }
 
@@ -270,7 +274,7 @@ struct CrossEntropyInputs {
       TORCH_CHECK(weight_arg->dim() == 1 && weight_arg->size(0) == logits.size(1) &&
                       weight_arg->device() == logits.device(),
                   "cross_entropy: weight must have shape (C,) on input's device");
-      weight = weight_arg->to(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
+      weight = weight_arg->to(accumulation_type(logits.scalar_type())).contiguous();
     }
     call.dtype = dtype_of(logits);
     call.rows = logits.size(0);
@@ -291,8 +295,7 @@ struct CrossEntropyInputs {
 
   // The lse is kept in the accumulation type (float, or double for float64).
   at::Tensor empty_lse() const {
-    return at::empty({logits.size(0)}, logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble
-                                                                                                   : at::kFloat));
+    return at::empty({logits.size(0)}, logits.options().dtype(accumulation_type(logits.scalar_type())));
   }
 };
 
@@ -405,7 +408,7 @@ inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tenso
 }
 
 inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits, int64_t leading, const char* name) {
-  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = accumulation_type(logits.scalar_type());
   TORCH_CHECK(tensor.device() == logits.device() && tensor.scalar_type() == acc && tensor.is_contiguous() &&
                   tensor.numel() == leading * logits.size(0),
               "row_passes: ", name, " must hold ", leading, " x rows contiguous values of the "

@@ -3,7 +3,7 @@
 //
 // Why: a scalar loss's forward writes its gradients as it reads the inputs, and backward
 // then only scales them by grad_output. Where grad_output is known in advance (it repeats
-// from step to step: (loss / 8).backward(), a GradScaler's scale) that pass goes too.
+// from step to step: (loss / 8).backward()) that pass goes too.
 //   Writer: the forward kernel multiplies the gradients it writes by the guess
 //     (grad_output_guess) and records the factor it used in the slot beside the 0-dim
 //     loss (GradOutputGuess::applied in ops.h; entry_points.h's guess_slot).
@@ -14,8 +14,10 @@
 //     backward records (StreamState::grad_output in finish.cuh; 0, no guess, until then).
 // Off (the factor is 1, and backward scales by grad_output as it comes): no gradient;
 // reduction 'none'; float16, whose range the guess could leave; a value that is not a
-// power of two within 2^-24..2^24 (scaling by one commutes with every rounding, so the
-// gradient's bits never depend on the guess); a stream being captured into a CUDA graph
+// power of two within 2^-24..1 (scaling by one commutes with every rounding, so the
+// gradient's bits never depend on the guess, except where a factor below 1 takes a value
+// under 2^-126 / factor to a subnormal: there a wrong guess costs it low bits; above 1 a
+// wrong guess could overflow, so none is taken); a stream being captured into a CUDA graph
 // (it may be replayed on another stream) or cudaStreamPerThread; and whenever Python does
 // not ask for it. Python decides (loss_helpers.py): the forward ops' guess_grad_output is
 // True on the eager path alone, whose backward is the C++ node; every autograd.Function
@@ -42,7 +44,8 @@ template <typename T>
 __device__ __forceinline__ double grad_output_guess(const double* source, ScalarOut applied) {
   const double guess = source != nullptr && !std::is_same<T, c10::Half>::value ? *source : 1.0;
   int exponent = 0;
-  const bool power_of_two = frexp(fabs(guess), &exponent) == 0.5 && exponent >= -23 && exponent <= 25;  // NaN: no
+  // 2^-24 .. 1: a factor above 1 could overflow a large gradient that grad_output would have kept finite
+  const bool power_of_two = frexp(fabs(guess), &exponent) == 0.5 && exponent >= -23 && exponent <= 1;  // NaN: no
   const double usable = power_of_two ? guess : 1.0;
   if (applied.data != nullptr && blockIdx.x == 0 && threadIdx.x == 0) store_scalar(applied, usable);
   return usable;
@@ -61,11 +64,11 @@ inline const double* grad_output_guess_source(const GradOutputGuess& guess, cons
 // next guess (`guess`, nullptr: none kept).
 
 template <typename T, int VEC>
-__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_output, ScalarOut applied,
+__global__ void scale_by_grad_output_kernel(T* grad, int64_t n, ScalarOut grad_output, ScalarOut applied,
                                             double* guess) {
   using acc_t = acc_type<T>;
   wait_for_previous_kernel();
-  const double wanted = static_cast<double>(static_cast<acc_t>(*grad_output));
+  const double wanted = load_scalar(grad_output);  // grad's dtype or its accumulation type: not rounded to T
   if (guess != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *guess = wanted;
   const double had = applied.data != nullptr ? load_scalar(applied) : 1.0;
   if (wanted == had) return;
@@ -86,7 +89,7 @@ __global__ void scale_by_grad_output_kernel(T* grad, int64_t n, const T* grad_ou
 
 // Not inline: the bindings call it from another translation unit (ops.h); each build
 // compiles this header once.
-void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, ScalarOut grad_output, ScalarOut applied,
                                  const LaunchContext& context) {
   if (n == 0) return;
   StreamState* state = stream_state(context.device, context.stream);
@@ -99,7 +102,7 @@ void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void*
     auto kernel = vector_ok ? scale_by_grad_output_kernel<T, VEC> : scale_by_grad_output_kernel<T, 1>;
     const int64_t grid = grid_for(kernel, vector_ok ? n / VEC + 1 : n, threads, context.device);
     launch_kernel(kernel, grid, threads, 0, 1, context.device, context.stream, static_cast<T*>(grad), n,
-                  static_cast<const T*>(grad_output), applied, guess);
+                  grad_output, applied, guess);
   });
 }
 

@@ -68,7 +68,7 @@ void kl_div_launch(const PointwiseCall& call, bool log_input, bool log_target, c
 // In place: grad[0:n] *= *grad_output / applied (one element each, read on the GPU; applied
 // is the forward's GradOutputGuess::applied, 1 where its data is nullptr). The guess's
 // backward (grad_output_guess.cuh).
-void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, const void* grad_output, ScalarOut applied,
+void scale_by_grad_output_launch(DType dtype, void* grad, int64_t n, ScalarOut grad_output, ScalarOut applied,
                                  const LaunchContext& context);
 
 // One cross-entropy launch over (rows, classes) logits: a scalar reduction (`loss` set),

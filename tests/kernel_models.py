@@ -123,7 +123,8 @@ def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing
 
 
 def scale_by_grad_output_(grad, grad_output):
-    grad.mul_(grad_output)
+    assert grad_output.dim() == 0 and grad_output.dtype in (grad.dtype, loss_helpers.accumulation_dtype(grad.dtype))
+    grad.copy_(grad.to(loss_helpers.accumulation_dtype(grad.dtype)) * grad_output)
 
 
 class _ScaleSavedGradients(torch.autograd.Function):
@@ -147,7 +148,11 @@ class _ScaleSavedGradients(torch.autograd.Function):
         if grad_output is None:  # no gradient reached the loss: none flows on
             return None, None, None
         # Scaled copies (the node scales in place when no later backward can come; same values).
-        return (*(None if grad is None else grad * grad_output.to(grad.dtype) for grad in ctx.grads), None)
+        copies = [None if grad is None else grad.clone() for grad in ctx.grads]
+        for grad in copies:
+            if grad is not None:
+                scale_by_grad_output_(grad, loss_helpers.scale_operand(grad_output, grad.dtype))
+        return (*copies, None)
 
 
 def attach_saved_gradients(loss, input, grad_input, target, grad_target, user_input, user_target, differentiable):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import loss_helpers
 import losses
-from helpers import FLOOR, LOSSES, check_against_float64, loss_and_grads
+from helpers import FLOOR, LOSSES, check_against_float64, loss_and_grads, max_ulps
 
 LOSS_SCALE = 2.0 ** 16  # GradScaler's initial scale
 
@@ -79,6 +79,30 @@ def test_a_float32_weight_with_bfloat16_logits_is_computed_in_float32(forward_ca
     assert what_the_op_got(kernel, args) == (torch.float32, False)
 
 
+@pytest.mark.parametrize("grad_output", [1 / 3, 0.1])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_float32_grad_output_scales_a_bfloat16_gradient_unrounded(name, grad_output, forward_calls):
+    check_float32_grad_output_scales_unrounded(name, grad_output, "cpu", LOSSES[name].fused("sum"))
+
+
+def check_float32_grad_output_scales_unrounded(name, grad_output, device, fused):
+    """Autocast's loss is float32, and so is its grad_output: backward multiplies the bfloat16 gradient
+    the forward wrote by it in float32 and rounds once (grad_output is not rounded to bfloat16 first).
+    Against float64 that is at most 1.5 ulp: the forward's rounding, 0.5, which the product carries
+    as up to 1 ulp of its own, then the product's. torch's own is 0.5 (it rounds once, from float32)."""
+    x, *others = LOSSES[name].inputs(64, 100, torch.bfloat16, device)
+    grads = []
+    for scale in (1.0, grad_output):
+        leaf = x.detach().requires_grad_()
+        fused(leaf, *others).backward(torch.tensor(scale, device=device))
+        grads.append(leaf.grad)
+    assert torch.equal(grads[1], (grads[0].float() * torch.tensor(grad_output, device=device)).bfloat16())
+    truth = x.double().requires_grad_()
+    LOSSES[name].reference("sum")(truth, *[t.double() if t.is_floating_point() else t for t in others]).backward(
+        torch.tensor(grad_output, dtype=torch.float64, device=device))
+    assert max_ulps(grads[1], truth.grad) <= 1.5
+
+
 def test_outside_autocast_nothing_changes(kernels_modelled_on_cpu):
     x = torch.randn(6, 10, dtype=torch.bfloat16)
     assert losses.mse_loss(x, torch.randn_like(x)).dtype == torch.bfloat16
@@ -123,3 +147,11 @@ def test_float16_softmax_gradient_is_not_flushed_before_the_loss_scale():
         grads.append(grad)
     torch_zeros, ours_zeros = [(grad == 0).float().mean().item() for grad in grads]
     assert ours_zeros <= torch_zeros + 1e-3, (ours_zeros, torch_zeros)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_output", [1 / 3, 0.1])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_float32_grad_output_scales_a_bfloat16_gradient_unrounded_on_the_gpu(name, grad_output):
+    check_float32_grad_output_scales_unrounded(name, grad_output, "cuda",
+                                               under_autocast(LOSSES[name].fused("sum"), torch.bfloat16))
