@@ -5,7 +5,9 @@ backward with grad (backward from 2.5, so the in-place scale runs too), on odd s
 a vector body with a scalar tail, one element, a misaligned view, and for
 cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001, and 40001 and 65537
 in more rows than the grid has blocks; C = 4099 in enough rows for a warp each without grad),
-with weight, label smoothing, z-loss, probability targets and inplace_backward.
+with weight, label smoothing, z-loss, probability targets and inplace_backward. The row passes
+(kernels/row_passes.cu): cross-entropy with softcap (a warp a row, and a block a row where rows are few) in
+float64 too, and linear_cross_entropy under each schedule (choose_schedule), float32 d weight summed.
 """
 import os
 import sys
@@ -87,8 +89,35 @@ def main():
                     [logits, probabilities], (0, 1))
             run(lambda a, t: losses.cross_entropy(a * 1, t, inplace_backward=True, return_lse=True)[0],
                 [logits, target], (0,))
+    for dtype in DTYPES + (torch.float64,):
+        row_passes(dtype)
     torch.cuda.synchronize()
     print("sanitize_driver: every kernel ran")
+
+
+def row_passes(dtype):
+    """Softcap cross-entropy and linear_cross_entropy, which run kernels/row_passes.cu."""
+    many = 32 * torch.cuda.get_device_properties(0).multi_processor_count + 3  # a warp a row from here
+    for rows, classes in ((3, 1000), (many, 1001), (2, 70001), (1, 1)):
+        logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
+        target = torch.randint(0, classes, (rows,), device="cuda")
+        target[0] = -100
+        for reduction in ("mean", "sum", "none"):
+            run(lambda a, t: losses.cross_entropy(a, t, softcap=30.0, label_smoothing=0.1, z_loss=1e-3,
+                                                  reduction=reduction), [logits, target], (0,))
+    x = torch.randn(37, 64, device="cuda", dtype=dtype)
+    head, bias = torch.randn(1001, 64, device="cuda", dtype=dtype) / 8, torch.randn(1001, device="cuda", dtype=dtype)
+    target = torch.randint(0, 1001, (37,), device="cuda")
+    target[1] = -100
+    for grad_of in ((0,), (0, 1, 3), (1,)):  # frozen head, the whole layer, the head alone
+        for reduction in ("mean", "sum", "none"):
+            for softcap in (None, 30.0):
+                run(lambda a, w, t, b: losses.linear_cross_entropy(a, w, t, linear_bias=b, reduction=reduction,
+                                                                   softcap=softcap, z_loss=1e-3),
+                    [x, head, target, bias], grad_of)
+    if dtype == torch.bfloat16:  # a float32 master weight under autocast: d weight summed in float32
+        with torch.autocast("cuda", dtype=dtype):
+            run(lambda a, w, t: losses.linear_cross_entropy(a, w, t), [x.float(), head.float(), target], (0, 1))
 
 
 if __name__ == "__main__":
