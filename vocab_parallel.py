@@ -107,7 +107,7 @@ def _share_facts(group, like: torch.Tensor, facts) -> torch.Tensor:
     rank = dist.get_rank(group)
     shared = torch.zeros(dist.get_world_size(group), len(facts), dtype=torch.int64, device=like.device)
     for column, value in enumerate(facts):
-        shared[rank, column] = value  # a fill: a copy from the host would sync the stream
+        shared[rank, column].fill_(value)  # a fill kernel: a copy from the host would sync (and cannot be captured)
     dist.all_reduce(shared, op=dist.ReduceOp.SUM, group=group)
     return shared
 
