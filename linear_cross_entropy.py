@@ -413,11 +413,10 @@ def _scaled_forward_gradients(ctx, grad_output):
     for grad in grads:
         if grad is None or grad.numel() == 0:
             continue
-        scale = helpers.scale_operand(grad_output, grad.dtype)
         if grad.is_cuda:
-            helpers.kernel_ops("row_passes", grad).scale_by_grad_output_(grad, scale)
+            helpers.kernel_ops("row_passes", grad).scale_by_grad_output_(grad, grad_output)
         else:
-            grad.copy_(_times(grad, scale))  # as the kernel does
+            grad.copy_(_times(grad, grad_output))  # as the kernel does
     return grads, others
 
 

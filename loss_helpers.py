@@ -238,20 +238,10 @@ def backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     writes a copy of the saved gradient, so a second backward is correct there."""
     grads = ctx.saved_tensors
     present = [grad for grad in grads if grad is not None]
-    scale = scale_operand(grad_output, present[0].dtype)
     ops = kernel_ops(ctx.kernel, present[0])
     for grad in present:
-        ops.scale_by_grad_output_(grad, scale)
+        ops.scale_by_grad_output_(grad, grad_output)
     return grads
-
-
-def scale_operand(grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad_output as scale_by_grad_output_ takes it for a gradient of `dtype`: 0-dim, in that dtype or
-    the accumulation type, as it comes where it is one of them (autocast's float32 grad_output of a
-    bfloat16 gradient is not rounded to bfloat16 before it scales)."""
-    if grad_output.dim() == 0 and grad_output.dtype in (dtype, accumulation_dtype(dtype)):
-        return grad_output
-    return grad_output.reshape(()).to(accumulation_dtype(dtype))
 
 
 def no_second_derivative(what: str) -> None:

@@ -73,11 +73,7 @@ struct ScaleSavedGradients : torch::autograd::Node {
     for (at::Tensor& grad : out) {
       if (!grad.defined()) continue;
       if (keep) grad = grad.clone();
-      // grad_output as it comes where the kernel takes it (autocast's float32 one, not rounded to bfloat16).
-      const bool usable = grad_output.dim() == 0 && (grad_output.scalar_type() == grad.scalar_type() ||
-                                                     grad_output.scalar_type() == accumulation_type(grad.scalar_type()));
-      scale_by_grad_output_over_guess_(
-          grad, usable ? grad_output : grad_output.reshape({}).to(accumulation_type(grad.scalar_type())), guess);
+      scale_by_grad_output_over_guess_(grad, grad_output, guess);
     }
     return out;
   }

@@ -141,13 +141,16 @@ inline at::Tensor at_offset(const at::Tensor& tensor, uintptr_t offset) {
 inline void scale_by_grad_output_over_guess_(at::Tensor grad, const at::Tensor& grad_output,
                                              const at::Tensor& guess) {
   TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "grad must be a contiguous CUDA tensor");
-  TORCH_CHECK(grad_output.numel() == 1 && grad_output.device() == grad.device() &&
-                  (grad_output.scalar_type() == grad.scalar_type() ||
-                   grad_output.scalar_type() == accumulation_type(grad.scalar_type())),
-              "grad_output must be one element, of grad's dtype or its accumulation type, on grad's device");
+  TORCH_CHECK(grad_output.numel() == 1 && grad_output.device() == grad.device(),
+              "grad_output must be one element on grad's device");
   if (grad.numel() == 0) return;
+  // The kernel reads grad_output in grad's dtype or its accumulation type: as it comes where it is one
+  // of them (autocast's float32 grad_output of a bfloat16 gradient is not rounded to bfloat16 first).
+  const at::ScalarType acc = accumulation_type(grad.scalar_type());
+  const bool as_it_comes = grad_output.scalar_type() == grad.scalar_type() || grad_output.scalar_type() == acc;
+  const at::Tensor scale = as_it_comes ? grad_output : grad_output.to(acc);
   CallContext context(grad);
-  scale_by_grad_output_launch(dtype_of(grad), grad.data_ptr(), grad.numel(), scalar_out(grad_output),
+  scale_by_grad_output_launch(dtype_of(grad), grad.data_ptr(), grad.numel(), scalar_out(scale),
                               guess.defined() ? scalar_out(guess) : ScalarOut{}, context.launch());
 }
 

@@ -123,8 +123,10 @@ def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing
 
 
 def scale_by_grad_output_(grad, grad_output):
-    assert grad_output.dim() == 0 and grad_output.dtype in (grad.dtype, loss_helpers.accumulation_dtype(grad.dtype))
-    grad.copy_(grad.to(loss_helpers.accumulation_dtype(grad.dtype)) * grad_output)
+    """In the accumulation type, rounded once: grad_output is not rounded to grad's dtype first."""
+    assert grad_output.numel() == 1
+    acc = loss_helpers.accumulation_dtype(grad.dtype)
+    grad.copy_(grad.to(acc) * grad_output.reshape(()).to(acc))
 
 
 class _ScaleSavedGradients(torch.autograd.Function):
@@ -151,7 +153,7 @@ class _ScaleSavedGradients(torch.autograd.Function):
         copies = [None if grad is None else grad.clone() for grad in ctx.grads]
         for grad in copies:
             if grad is not None:
-                scale_by_grad_output_(grad, loss_helpers.scale_operand(grad_output, grad.dtype))
+                scale_by_grad_output_(grad, grad_output)
         return (*copies, None)
 
 
