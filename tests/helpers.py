@@ -398,3 +398,20 @@ def backwards_on_threads(loss, leaf, grad_outputs, retain_graph):
             return error
     with concurrent.futures.ThreadPoolExecutor(len(grad_outputs)) as pool:
         return list(pool.map(backward, grad_outputs))
+
+
+def capture_step(fused, inputs, grad_of, grad_output):
+    """A graph of loss + gradients over static `inputs` (leaves), after a warm-up on a side
+    stream as torch's docs ask. Returns the graph, its static loss and gradients."""
+    wants_grad = [inputs[i] for i in grad_of]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.autograd.grad(fused(*inputs), wants_grad, grad_output)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = fused(*inputs)
+        static_grads = torch.autograd.grad(static_loss, wants_grad, grad_output)
+    return graph, static_loss, static_grads

@@ -6,26 +6,9 @@ place) must work on every replay.
 import pytest
 import torch
 
-from helpers import LOSSES, loss_and_grads
+from helpers import LOSSES, capture_step, loss_and_grads
 
 CASES = [(name, reduction) for name, loss in LOSSES.items() for reduction in loss.reductions]
-
-
-def capture_step(fused, inputs, grad_of, grad_output):
-    """A graph of loss + gradients over static `inputs` (leaves), after a warm-up on a side
-    stream as torch's docs ask. Returns the graph, its static loss and gradients."""
-    wants_grad = [inputs[i] for i in grad_of]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            torch.autograd.grad(fused(*inputs), wants_grad, grad_output)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = fused(*inputs)
-        static_grads = torch.autograd.grad(static_loss, wants_grad, grad_output)
-    return graph, static_loss, static_grads
 
 
 @pytest.mark.gpu
