@@ -18,7 +18,7 @@ import cross_entropy
 import loss_helpers
 import losses
 import vocab_parallel
-from helpers import capture_step, run_on_ranks
+from helpers import run_on_ranks
 
 WORLD = 2
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -242,6 +242,33 @@ def test_vocab_parallel_on_two_gpus_with_nccl(tmp_path):
 # ----------------------------------------------------------------------------------
 # torch.compile and CUDA graphs with process_group=: the same numbers as eager calls.
 
+def graphed(step, operands):
+    """step(*operands) (a forward and backward) captured in a CUDA graph after warm-up calls on a side
+    stream (a rank checks its layout once, at its first call); returns replay(*new operands), which copies
+    them into the captured ones and returns step's outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for operand in operands:
+                operand.grad = None
+            step(*operands)
+    torch.cuda.current_stream().wait_stream(side)
+    for operand in operands:
+        operand.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step(*operands)
+
+    def replay(*new):
+        with torch.no_grad():
+            for operand, value in zip(operands, new):
+                operand.copy_(value)
+        graph.replay()
+        return outputs
+    return replay
+
+
 def check_compiled_and_graphed(rank, device):
     """Both losses with process_group=, compiled (and on a GPU captured in a CUDA graph), against eager
     calls: loss and gradients, for three fresh inputs."""
@@ -249,45 +276,41 @@ def check_compiled_and_graphed(rank, device):
     first = rank * classes // 2
     target = torch.empty(rows, dtype=torch.long, device=device)
 
-    def cross_entropy_loss(shard):
-        return losses.cross_entropy(shard, target, label_smoothing=0.1, process_group=group, vocab_start=first)
+    def cross_entropy_step(shard):
+        loss = losses.cross_entropy(shard, target, label_smoothing=0.1, process_group=group, vocab_start=first)
+        loss.backward()
+        return loss.detach(), shard.grad
 
-    def linear_loss(x, head):
-        return losses.linear_cross_entropy(x, head, target, softcap=20.0, process_group=group, vocab_start=first)
+    def linear_step(x, head):
+        loss = losses.linear_cross_entropy(x, head, target, softcap=20.0, process_group=group, vocab_start=first)
+        loss.backward()
+        return loss.detach(), x.grad, head.grad
 
-    def inputs(seed, loss):
+    def inputs(seed, step):
         generator = torch.Generator().manual_seed(seed)  # the same on every rank: each takes its classes
         target.copy_(torch.randint(0, classes, (rows,), generator=generator))
-        if loss is cross_entropy_loss:
+        if step is cross_entropy_step:
             return [torch.randn(rows, classes, generator=generator)[:, first:first + classes // 2].to(device)]
         x, head = torch.randn(rows, hidden, generator=generator), torch.randn(classes, hidden, generator=generator)
         return [x.to(device), head[first:first + classes // 2].to(device)]
 
-    def value_and_grads(loss, values):
+    def eager(step, values):
         operands = [value.clone().requires_grad_() for value in values]
-        value = loss(*operands)
-        return (value.detach(), *torch.autograd.grad(value, operands))
+        return [output.clone() for output in step(*operands)]
 
-    for loss in (cross_entropy_loss, linear_loss):
-        compiled = torch.compile(loss)
-        if device.type == "cuda":  # a rank checks its layout once, at its first (warm-up) call
-            static = [value.requires_grad_() for value in inputs(0, loss)]
-            graph, static_loss, static_grads = capture_step(loss, static, range(len(static)),
-                                                            torch.ones((), device=device))
-        for seed in (1, 2, 3):
-            values = inputs(seed, loss)
-            runs = {"compiled": value_and_grads(compiled, values)}
-            if device.type == "cuda":
-                with torch.no_grad():
-                    for operand, value in zip(static, values):
-                        operand.copy_(value)
-                graph.replay()
-                runs["CUDA graph"] = (static_loss, *static_grads)
-            expected = value_and_grads(loss, values)
-            for how, got in runs.items():
+    for step in (cross_entropy_step, linear_step):
+        runs = {"compiled": torch.compile(step)}
+        if device.type == "cuda":
+            runs["CUDA graph"] = graphed(step, [value.clone().requires_grad_() for value in inputs(0, step)])
+        for how, run in runs.items():
+            for seed in (1, 2, 3):
+                values = inputs(seed, step)
+                expected = eager(step, values)
+                operands = values if how == "CUDA graph" else [value.clone().requires_grad_() for value in values]
+                got = run(*operands)
                 for name, ours, theirs in zip(("loss", "grad", "grad"), got, expected):
                     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
-                                               msg=lambda m: f"{loss.__name__}, {how}, seed {seed}: {name}: {m}")
+                                               msg=lambda m: f"{step.__name__}, {how}, seed {seed}: {name}: {m}")
 
 
 @pytest.mark.skipif(not dist.is_available() or not loss_helpers.COMPILE_OPS, reason="needs torch.distributed, torch >= 2.4")
