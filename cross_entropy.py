@@ -55,7 +55,8 @@ def _backward_fake(logits, target, weight, ignore_index, label_smoothing, z_loss
 
 
 _COMPILE_LIBRARY = helpers.define_compile_ops("cross_entropy", {
-    "forward": _forward_fake, "backward": _backward_fake, "scale_by_grad_output_": helpers.no_outputs_fake})
+    "forward": _forward_fake, "backward": _backward_fake, "recompute_gradients_": helpers.no_outputs_fake,
+    "scale_by_grad_output_": helpers.no_outputs_fake})
 
 
 # ----------------------------------------------------------------------------------
@@ -74,11 +75,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ctx.kernel, ctx.reduction = "cross_entropy", reduction
         ctx.arguments = (ignore_index, label_smoothing, z_loss)
         ctx.want_grads = (want_grad_logits, want_grad_target)
+        ctx.recompute = None
         if reduction == "none":
             ctx.save_for_backward(logits, target, weight)
         else:
+            kept = (logits, target, weight) if helpers.keeps_operands(float_loss) else ()
+            ctx.recompute = (_recompute_arguments(ignore_index, reduction, label_smoothing, z_loss), ()) if kept else None
             ctx.save_for_backward(grad_logits if want_grad_logits else None,
-                                  grad_target if want_grad_target else None)
+                                  grad_target if want_grad_target else None, *kept)
         # Only the loss has a gradient: autograd need not make zeros for the others.
         ctx.set_materialize_grads(False)
         outputs = (loss,)
@@ -104,6 +108,11 @@ class _CrossEntropyFunction(torch.autograd.Function):
         else:
             grad_logits, grad_target = helpers.backward_from_saved_grads(ctx, grad_output)
         return grad_logits, grad_target, None, None
+
+
+def _recompute_arguments(ignore_index, reduction, label_smoothing, z_loss):
+    """recompute_gradients_'s arguments between the operands and grad_output."""
+    return ignore_index, REDUCTION_CODES[reduction], label_smoothing, z_loss
 
 
 def _rows(input: torch.Tensor, target: torch.Tensor, probs: bool):
@@ -327,8 +336,12 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         if want_grads:
             differentiable = None if inplace else (_gradient_graph, (
                 weight, *arguments, (input.dtype, target.dtype), (want_grad_logits, want_grad_target)))
+            # inplace: the logits are the gradient now; it is scaled, not recomputed.
+            recompute = (helpers.recompute_for_node(ops.recompute_gradients_, (logits, rows_target, weight),
+                                                    _recompute_arguments(arguments[0], reduction, *arguments[3:]))
+                         if helpers.keeps_operands(float_loss) and not inplace else None)
             loss = ops.attach_saved_gradients(loss, logits, grad_logits, rows_target, grad_target, *user_operands,
-                                              differentiable)
+                                              differentiable, recompute)
     if dim == 1 and reduction == "mean" and not probs and not label_smoothing and logits.is_cuda:
         # torch's CUDA loss of one unbatched, ignored target is 0 (its 1-D kernel), not 0 / 0.
         loss = loss.masked_fill(rows_target[0] == ignore_index, 0)

@@ -81,7 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
 
 def bindings(kernel: str) -> str:
     """The build's main.cpp: BINDINGS for `kernel`'s ops (op_signatures.KERNEL_OPS and EXTRA_BINDINGS)."""
-    functions = {op: (f"{kernel}_{op}" if op in ("forward", "backward") else op, schema)
+    functions = {op: (op if op == "scale_by_grad_output_" else f"{kernel}_{op}", schema)
                  for op, schema in op_signatures.KERNEL_OPS.get(kernel, {}).items()}
     functions.setdefault("scale_by_grad_output_", ("scale_by_grad_output_", op_signatures.SCALE_BY_GRAD_OUTPUT))
     for name, schema in op_signatures.EXTRA_BINDINGS.get(kernel, {}).items():

@@ -10,6 +10,7 @@ backward; False in every autograd.Function, whose backward takes grad_output as 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -124,9 +125,9 @@ def autocast_operands(reduction: str, *operands):
     nll_loss, kl_div, mse_loss, log): float16 and bfloat16 operands are cast to float32 and
     the loss is float32. Ours does the same, except that bfloat16 operands of a scalar loss
     reach the kernel as they are: it computes in float32 anyway and writes the loss in
-    float32 (float_loss). Their gradient is rounded to bfloat16 before backward scales it by
-    grad_output, which bfloat16's float32-sized exponent range allows (a loss scale, a power
-    of two, scales it exactly). A float16 gradient rounded before a loss scale of 2**16
+    float32 (float_loss). Their gradient, written in bfloat16 by the forward, is recomputed
+    in backward where grad_output is not the factor it carries (keeps_operands), so it is
+    rounded once, as torch's. A float16 gradient rounded before a loss scale of 2**16
     would flush most of a softmax's gradient to zero: float16 takes torch's way.
     Outside autocast, or for operands not on CUDA: (operands, False), unchanged."""
     if not under_autocast(operands[0]):
@@ -234,14 +235,43 @@ def gradient_graph(formula, operands, wants, grad_output):
 def backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     """Backward of a scalar loss whose forward wrote the gradients, in a Function (under
     torch.compile; eagerly, kernels/autograd_node.h's node does this): scale them by
-    grad_output and hand them to autograd. The compiled graph is functional: the scale
-    writes a copy of the saved gradient, so a second backward is correct there."""
-    grads = ctx.saved_tensors
+    grad_output, or recompute them (ctx.recompute, see keep_for_recompute), and hand them to
+    autograd. The compiled graph is functional: the op writes a copy of the saved gradient, so
+    a second backward is correct there. Saved: the two gradients (None where not wanted), then
+    a recompute's operands."""
+    grads = ctx.saved_tensors[:2]
     present = [grad for grad in grads if grad is not None]
     ops = kernel_ops(ctx.kernel, present[0])
+    if ctx.recompute is not None:
+        recompute(ops.recompute_gradients_, ctx.saved_tensors[2:], *ctx.recompute, grad_output, None, *grads)
+        return grads
     for grad in present:
         ops.scale_by_grad_output_(grad, grad_output)
     return grads
+
+
+def keeps_operands(float_loss: bool) -> bool:
+    """Whether a scalar loss's forward keeps its operands so that backward recomputes its
+    gradients (the recompute_gradients_ ops; kernels/grad_output_guess.cuh): autocast's
+    bfloat16 fast path (float_loss). torch applies autocast's float32 grad_output before it
+    rounds the gradient to bfloat16 once; scaling the forward's bfloat16 gradient would round
+    twice (up to 1.5 ulp). The cost: the operands live until backward (2 bytes an element of
+    the input), and a grad_output other than the forward's guess pays a forward pass again
+    rather than a scaling pass."""
+    return float_loss
+
+
+def recompute(op, operands, leading, trailing, grad_output, applied, *grads) -> None:
+    """op(*operands, *leading, grad_output, applied, *grads, *trailing): a recompute_gradients_
+    op into grads (None: not wanted, passed as no elements)."""
+    empty = operands[0].new_empty(0)
+    op(*operands, *leading, grad_output, applied, *(empty if grad is None else grad for grad in grads), *trailing)
+
+
+def recompute_for_node(op, operands, leading, trailing=()):
+    """The eager node's recompute(grad_output, applied, grad_input, grad_target)
+    (kernels/autograd_node.h): it holds the operands."""
+    return functools.partial(recompute, op, operands, leading, trailing)
 
 
 def no_second_derivative(what: str) -> None:

@@ -28,18 +28,25 @@ _POINTWISE_FORWARD = ("(Tensor input, Tensor target, int reduction, float scale,
 _POINTWISE_BACKWARD = ("(Tensor input, Tensor target, Tensor grad_output, bool want_grad_input, "
                        "bool want_grad_target{}) -> (Tensor, Tensor)")
 _KL_DIV_OPTIONS = ", bool log_input, bool log_target"
+# Backward's recompute (kernels/grad_output_guess.cuh): the forward's kernel again, over the
+# saved gradients (no elements: not wanted), with grad_output as the factor; applied: the
+# factor they carry (the eager forward's guess), None: 1.
+_POINTWISE_RECOMPUTE = ("(Tensor input, Tensor target, float scale, Tensor grad_output, Tensor? applied, "
+                        "Tensor(a!) grad_input, Tensor(b!) grad_target{}) -> ()")
 
-# kernel -> op -> schema (without the op's name). Ops named forward and backward are the
-# build's <kernel>_forward and <kernel>_backward in kernels/entry_points.h.
+# kernel -> op -> schema (without the op's name). Op <op> is the build's <kernel>_<op> in
+# kernels/entry_points.h; the shared scale_by_grad_output_ keeps its name.
 KERNEL_OPS = {
     "mse": {
         "forward": _POINTWISE_FORWARD.format(""),
         "backward": _POINTWISE_BACKWARD.format(""),
+        "recompute_gradients_": _POINTWISE_RECOMPUTE.format(""),
         "scale_by_grad_output_": SCALE_BY_GRAD_OUTPUT,
     },
     "kl_div": {
         "forward": _POINTWISE_FORWARD.format(_KL_DIV_OPTIONS),
         "backward": _POINTWISE_BACKWARD.format(_KL_DIV_OPTIONS),
+        "recompute_gradients_": _POINTWISE_RECOMPUTE.format(_KL_DIV_OPTIONS),
         "scale_by_grad_output_": SCALE_BY_GRAD_OUTPUT,
     },
     "cross_entropy": {
@@ -51,6 +58,9 @@ KERNEL_OPS = {
         "backward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, float label_smoothing, "
                      "float z_loss, Tensor grad_output, bool want_grad_logits, bool want_grad_target) "
                      "-> (Tensor, Tensor)"),
+        "recompute_gradients_": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
+                                 "float label_smoothing, float z_loss, Tensor grad_output, Tensor? applied, "
+                                 "Tensor(a!) grad_logits, Tensor(b!) grad_target) -> ()"),
         "scale_by_grad_output_": SCALE_BY_GRAD_OUTPUT,
     },
     "row_passes": {  # row_passes.py: they write their (a!) arguments
@@ -68,6 +78,7 @@ EXTRA_BINDINGS = {"cross_entropy": {"cross_entropy_path": KERNEL_OPS["cross_entr
                                     "force_cross_entropy_path": None}}
 
 _CPP_TYPES = {"Tensor": "const at::Tensor&", "Tensor?": "const c10::optional<at::Tensor>&", "Tensor(a!)": "at::Tensor",
+              "Tensor(b!)": "at::Tensor",
               "int": "int64_t", "float": "double", "bool": "bool"}
 
 

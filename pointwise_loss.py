@@ -31,7 +31,8 @@ def backward_fake(input, target, grad_output, want_grad_input, want_grad_target,
             input.new_empty(input.shape if want_grad_target else (0,)))
 
 
-COMPILE_FAKES = {"forward": forward_fake, "backward": backward_fake, "scale_by_grad_output_": helpers.no_outputs_fake}
+COMPILE_FAKES = {"forward": forward_fake, "backward": backward_fake, "recompute_gradients_": helpers.no_outputs_fake,
+                 "scale_by_grad_output_": helpers.no_outputs_fake}
 
 
 class _PointwiseLossFunction(torch.autograd.Function):
@@ -43,11 +44,14 @@ class _PointwiseLossFunction(torch.autograd.Function):
             False, *op_args)
         ctx.kernel, ctx.reduction, ctx.op_args, ctx.scale, ctx.float_loss = kernel, reduction, op_args, scale, float_loss
         ctx.want_grads = (want_grad_input, want_grad_target)
+        ctx.recompute = None
         if reduction == "none":
             ctx.save_for_backward(input, target)
         else:
+            kept = (input, target) if helpers.keeps_operands(float_loss) else ()
+            ctx.recompute = ((scale,), tuple(op_args)) if kept else None
             ctx.save_for_backward(grad_input if want_grad_input else None,
-                                  grad_target if want_grad_target else None)
+                                  grad_target if want_grad_target else None, *kept)
         return loss
 
     @staticmethod
@@ -133,4 +137,7 @@ def pointwise_loss(kernel: str, input, target, reduction: str, scale: float, op_
         return loss
     differentiable = (_gradient_graph, (kernel, reduction, scale, float_loss, op_args,
                                         (input.dtype, target.dtype), (want_grad_input, want_grad_target)))
-    return ops.attach_saved_gradients(loss, input, grad_input, target, grad_target, *user_operands, differentiable)
+    recompute = (helpers.recompute_for_node(ops.recompute_gradients_, (input, target), (scale,), tuple(op_args))
+                 if helpers.keeps_operands(float_loss) else None)
+    return ops.attach_saved_gradients(loss, input, grad_input, target, grad_target, *user_operands, differentiable,
+                                      recompute)

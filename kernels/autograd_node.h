@@ -31,7 +31,8 @@
 namespace fused_losses {
 
 // backward: scales the saved gradients in place by grad_output over the forward's guess at
-// it (grad_output_guess.cuh) and hands them on. The node holds their only reference, so
+// it (grad_output_guess.cuh), or, where the forward kept its operands (`recompute`),
+// recomputes them with grad_output, and hands them on. The node holds their only reference, so
 // autograd makes them .grad without a copy. Under retain_graph=True another backward may
 // follow: that backward hands on scaled copies and keeps the gradients.
 struct ScaleSavedGradients : torch::autograd::Node {
@@ -45,12 +46,17 @@ struct ScaleSavedGradients : torch::autograd::Node {
   std::optional<WeakTensor> input_ref, target_ref;
   int64_t input_version = 0, target_version = 0;
   PyObject* differentiable = nullptr;  // owned
+  // Or nullptr: recompute(grad_output, applied, grad_input, grad_target) writes the gradients
+  // into the last two (None: not wanted) with grad_output as the factor, in Python (it holds
+  // the forward's operands, which the first backward that keeps no graph lets go).
+  PyObject* recompute = nullptr;  // owned
 
   ~ScaleSavedGradients() override {
     // Autograd may free a node on a thread without the GIL, or after Python is gone.
-    if (differentiable != nullptr && Py_IsInitialized()) {
+    if ((differentiable != nullptr || recompute != nullptr) && Py_IsInitialized()) {
       pybind11::gil_scoped_acquire gil;
-      Py_DECREF(differentiable);
+      Py_XDECREF(differentiable);
+      Py_XDECREF(recompute);
     }
   }
 
@@ -71,9 +77,16 @@ struct ScaleSavedGradients : torch::autograd::Node {
     // torch's own nodes.
     if (!grad_output.defined()) return torch::autograd::variable_list(out.size());
     for (at::Tensor& grad : out) {
-      if (!grad.defined()) continue;
-      if (keep) grad = grad.clone();
-      scale_by_grad_output_over_guess_(grad, grad_output, guess);
+      if (grad.defined() && keep) grad = grad.clone();
+    }
+    if (recompute != nullptr) {
+      pybind11::gil_scoped_acquire gil;
+      pybind11::reinterpret_borrow<pybind11::object>(recompute)(grad_output, guess, out[0], out[1]);
+      if (!keep) Py_CLEAR(recompute);
+      return out;
+    }
+    for (at::Tensor& grad : out) {
+      if (grad.defined()) scale_by_grad_output_over_guess_(grad, grad_output, guess);
     }
     return out;
   }
@@ -128,11 +141,13 @@ NodePtr new_node() {  // a template, so that only the branch for this torch is c
 // edges are input's and target's. For create_graph=True: the operands as the user passed
 // them (user_input, user_target) and differentiable = (function, options), where
 // function(options, user_input, user_target, grad_output) gives the gradients of input and
-// target as a graph (None: no second derivative).
+// target as a graph (None: no second derivative). recompute: ScaleSavedGradients::recompute, or
+// None.
 inline at::Tensor attach_saved_gradients(at::Tensor loss, const at::Tensor& input,
                                          const c10::optional<at::Tensor>& grad_input, const at::Tensor& target,
                                          const c10::optional<at::Tensor>& grad_target, const at::Tensor& user_input,
-                                         const at::Tensor& user_target, pybind11::object differentiable) {
+                                         const at::Tensor& user_target, pybind11::object differentiable,
+                                         pybind11::object recompute) {
   TORCH_CHECK(loss.dim() == 0 && !loss.requires_grad(), "loss must be a 0-dim tensor without a grad_fn");
   NodePtr node = new_node<ScaleSavedGradients>();
   auto* scale = static_cast<ScaleSavedGradients*>(node.get());
@@ -150,6 +165,7 @@ inline at::Tensor attach_saved_gradients(at::Tensor loss, const at::Tensor& inpu
     scale->target_version = user_target._version();
     scale->differentiable = differentiable.release().ptr();
   }
+  if (!recompute.is_none()) scale->recompute = recompute.release().ptr();
   node->set_next_edges(torch::autograd::collect_next_edges(input, target));
   torch::autograd::set_history(loss, node);
   return loss;

@@ -154,6 +154,34 @@ inline void scale_by_grad_output_over_guess_(at::Tensor grad, const at::Tensor& 
                               guess.defined() ? scalar_out(guess) : ScalarOut{}, context.launch());
 }
 
+// Backward's recompute (grad_output_guess.cuh): `grad_output` (one element on `like`'s
+// device) is the factor, `applied` the one the saved gradients carry (the forward's guess_slot;
+// None: 1).
+inline GradOutputGuess recompute_guess(const at::Tensor& grad_output, const c10::optional<at::Tensor>& applied,
+                                       const at::Tensor& like) {
+  TORCH_CHECK(grad_output.numel() == 1 && grad_output.device() == like.device() &&
+                  grad_output.is_floating_point(),
+              "grad_output must be one floating-point element on input's device");
+  GradOutputGuess guess;
+  guess.exact = scalar_out(grad_output);
+  if (applied.has_value() && applied->defined()) {
+    TORCH_CHECK(applied->numel() == 1 && applied->device() == like.device(), "applied must be one element on "
+                "input's device");
+    guess.applied = scalar_out(*applied);
+  }
+  return guess;
+}
+
+// A saved gradient that a recompute writes into: none (no elements), or one of `like`'s shape
+// and dtype, contiguous.
+inline void* saved_gradient(const at::Tensor& grad, const at::Tensor& like, const char* name) {
+  if (grad.numel() == 0) return nullptr;
+  TORCH_CHECK(grad.sizes() == like.sizes() && grad.scalar_type() == like.scalar_type() &&
+                  grad.device() == like.device() && grad.is_contiguous(),
+              name, " must be the gradient the forward wrote: contiguous, of input's shape, dtype and device");
+  return grad.data_ptr();
+}
+
 // The compiled graphs' backward (their forward makes no guess).
 inline FUSED_LOSSES_SCALE_BY_GRAD_OUTPUT_RETURNS scale_by_grad_output_(FUSED_LOSSES_SCALE_BY_GRAD_OUTPUT_PARAMS) {
   scale_by_grad_output_over_guess_(grad, grad_output, at::Tensor());
@@ -216,6 +244,23 @@ std::tuple<at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& input_ar
   return {grad_input, grad_target};
 }
 
+// Backward's recompute of a scalar loss's gradients (recompute_guess) into the saved ones;
+// `scale` is the forward's.
+template <typename Launch>
+void pointwise_recompute_gradients(const at::Tensor& input_arg, const at::Tensor& target_arg, double scale,
+                                   const at::Tensor& grad_output, const c10::optional<at::Tensor>& applied,
+                                   const at::Tensor& grad_input, const at::Tensor& grad_target, Launch launch) {
+  check_matches_input(input_arg, "target", target_arg);
+  CallContext context(input_arg);
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor target = target_arg.contiguous();
+  const at::Tensor loss = at::empty({}, input.options().dtype(accumulation_type(input.scalar_type())));  // unused
+  PointwiseCall call{dtype_of(input), input.numel(), scale, input.data_ptr(), target.data_ptr(), nullptr, nullptr,
+                     saved_gradient(grad_input, input, "grad_input"), saved_gradient(grad_target, input, "grad_target"),
+                     scalar_out(loss), recompute_guess(grad_output, applied, input)};
+  if (call.grad_input != nullptr || call.grad_target != nullptr) launch(call, context.launch());
+}
+
 // `scale` is the reduction's factor (1/n for 'mean'); float_loss: a scalar loss in
 // float32. Gradients are written only for a scalar reduction and when asked for.
 inline FUSED_LOSSES_MSE_FORWARD_RETURNS mse_forward(FUSED_LOSSES_MSE_FORWARD_PARAMS) {
@@ -225,6 +270,11 @@ inline FUSED_LOSSES_MSE_FORWARD_RETURNS mse_forward(FUSED_LOSSES_MSE_FORWARD_PAR
 
 inline FUSED_LOSSES_MSE_BACKWARD_RETURNS mse_backward(FUSED_LOSSES_MSE_BACKWARD_PARAMS) {
   return pointwise_backward(input, target, grad_output, want_grad_input, want_grad_target, mse_launch);
+}
+
+inline FUSED_LOSSES_MSE_RECOMPUTE_GRADIENTS__RETURNS mse_recompute_gradients_(
+    FUSED_LOSSES_MSE_RECOMPUTE_GRADIENTS__PARAMS) {
+  pointwise_recompute_gradients(input, target, scale, grad_output, applied, grad_input, grad_target, mse_launch);
 }
 
 // `scale`: 1/n for 'mean', 1/input.size(0) for 'batchmean'.
@@ -241,6 +291,14 @@ inline FUSED_LOSSES_KL_DIV_BACKWARD_RETURNS kl_div_backward(FUSED_LOSSES_KL_DIV_
                             [&](const PointwiseCall& call, const LaunchContext& context) {
                               kl_div_launch(call, log_input, log_target, context);
                             });
+}
+
+inline FUSED_LOSSES_KL_DIV_RECOMPUTE_GRADIENTS__RETURNS kl_div_recompute_gradients_(
+    FUSED_LOSSES_KL_DIV_RECOMPUTE_GRADIENTS__PARAMS) {
+  pointwise_recompute_gradients(input, target, scale, grad_output, applied, grad_input, grad_target,
+                                [&](const PointwiseCall& call, const LaunchContext& context) {
+                                  kl_div_launch(call, log_input, log_target, context);
+                                });
 }
 
 // ---------------------------------------------------------------------------------
@@ -362,6 +420,30 @@ inline FUSED_LOSSES_CROSS_ENTROPY_BACKWARD_RETURNS cross_entropy_backward(FUSED_
   in.call.grad_target = data_or_null(grad_target);
   if (want_grad_logits || want_grad_target) run_kernels([&] { cross_entropy_launch(in.call, context.launch()); });
   return {grad_logits, grad_target};
+}
+
+// Backward's recompute of a scalar reduction's gradients (recompute_guess) into the saved
+// grad_logits and grad_target (no elements: not wanted), from the forward's operands.
+inline FUSED_LOSSES_CROSS_ENTROPY_RECOMPUTE_GRADIENTS__RETURNS cross_entropy_recompute_gradients_(
+    FUSED_LOSSES_CROSS_ENTROPY_RECOMPUTE_GRADIENTS__PARAMS) {
+  TORCH_CHECK(reduction != kNone, "cross_entropy: a recompute is for a scalar reduction");
+  CallContext context(logits);
+  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  TORCH_CHECK(grad_target.numel() == 0 || in.call.probs, "cross_entropy: only probability targets have a gradient");
+  const at::Tensor loss = at::empty({}, in.logits.options().dtype(accumulation_type(in.logits.scalar_type())));
+  in.call.reduction = reduction;
+  in.call.loss = scalar_out(loss);  // written, unused
+  in.call.grad_logits = saved_gradient(grad_logits, in.logits, "grad_logits");
+  in.call.grad_target = saved_gradient(grad_target, in.logits, "grad_target");
+  // Row tensors share the logits' offset from 16 bytes (CrossEntropyCall): the forward's do.
+  for (const at::Tensor* grad : {&grad_logits, &grad_target}) {
+    TORCH_CHECK(grad->numel() == 0 || offset_from_16_bytes(grad->data_ptr()) == offset_from_16_bytes(in.call.logits),
+                "cross_entropy: a recompute needs the logits the forward read (their offset from 16 bytes)");
+  }
+  in.call.guess = recompute_guess(grad_output, applied, in.logits);
+  if (in.call.grad_logits != nullptr || in.call.grad_target != nullptr) {
+    run_kernels([&] { cross_entropy_launch(in.call, context.launch()); });
+  }
 }
 
 // The path (CrossEntropyPath, by name) that cross_entropy_forward with these arguments

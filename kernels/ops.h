@@ -40,9 +40,12 @@ struct ScalarOut {
   DType dtype = DType::kFloat32;
 };
 
-// The forward's guess at grad_output (the protocol: grad_output_guess.cuh).
+// The forward's guess at grad_output, or backward's recompute (the protocol: grad_output_guess.cuh).
 struct GradOutputGuess {
-  ScalarOut applied;  // one element: the factor the forward used, for backward; nullptr: no guess
+  // Forward: one element where the factor used is recorded, for backward; nullptr: no guess.
+  // Recompute: the factor the saved gradients carry (nullptr: 1), read only.
+  ScalarOut applied;
+  ScalarOut exact;  // recompute only: grad_output, the factor to write the gradients with
 };
 
 // A pointwise loss over n elements of `dtype` (MSE, KL). Forward of a scalar reduction:

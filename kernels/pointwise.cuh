@@ -36,8 +36,8 @@ struct Needs {
 struct PointwiseArgs {
   int64_t n;
   double grad_scale;  // multiplies every gradient (1/n for 'mean', 1/batch for 'batchmean')
-  const double* guess_source;  // and so does this guess at grad_output, when set (grad_output_guess.cuh)
-  ScalarOut guess_applied;
+  double* guess_source;  // and so does this guess at grad_output, when set (grad_output_guess.cuh)
+  GradOutputGuess guess;
 };
 
 template <typename T>
@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(256, 2) pointwise_loss_kernel(PointwisePointer
     ptr.loss_out = nullptr;
   }
   wait_for_previous_kernel();
-  const acc_t grad_scale = static_cast<acc_t>(args.grad_scale * grad_output_guess<T>(args.guess_source,
-                                                                                       args.guess_applied));
+  if (recompute_is_needless(args.guess_source, args.guess)) return;
+  const acc_t grad_scale = static_cast<acc_t>(args.grad_scale * grad_output_factor<T>(args.guess_source, args.guess));
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t num_packs = args.n / VEC;
   const bool need_loss = finish.partials != nullptr || ptr.loss_out != nullptr;
@@ -209,7 +209,7 @@ void launch_pointwise_loss(const PointwiseCall& call, const Op& op, const Launch
     const PointwisePointers<T> ptr{static_cast<const T*>(call.input), static_cast<const T*>(call.target),
                                    static_cast<const T*>(call.grad_output), static_cast<T*>(call.loss_out),
                                    static_cast<T*>(call.grad_input), static_cast<T*>(call.grad_target)};
-    const PointwiseArgs args{call.n, call.scale, grad_output_guess_source(call.guess, context), call.guess.applied};
+    const PointwiseArgs args{call.n, call.scale, grad_output_guess_source(call.guess, context), call.guess};
     const bool scalar_loss = call.loss.data != nullptr;
     const bool vector_ok = is_aligned16(ptr.input) && is_aligned16(ptr.target) && is_aligned16(ptr.grad_output) &&
                            is_aligned16(ptr.loss_out) && is_aligned16(ptr.grad_input) &&

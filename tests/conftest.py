@@ -58,10 +58,10 @@ def kernels_modelled_on_cpu(monkeypatch):
     import op_signatures
     import pointwise_loss
 
-    builds = {kernel: types.SimpleNamespace(forward=forward, backward=backward,
+    builds = {kernel: types.SimpleNamespace(forward=forward, backward=backward, recompute_gradients_=recompute,
                                             scale_by_grad_output_=kernel_models.scale_by_grad_output_,
                                             attach_saved_gradients=kernel_models.attach_saved_gradients)
-              for kernel, (forward, backward) in kernel_models.MODELS.items()}
+              for kernel, (forward, backward, recompute) in kernel_models.MODELS.items()}
     monkeypatch.setattr(loader, "load_for_device", lambda kernel, device, dtype: builds[kernel])
     # Everything the kernels would take, which leaves out empty tensors (torch runs those).
     monkeypatch.setattr(pointwise_loss, "fusable",

@@ -35,7 +35,16 @@ def pointwise_model(math):
         return ((grad_input * grad_output).to(input.dtype) if want_grad_input else input.new_empty(0),
                 (grad_target * grad_output).to(input.dtype) if want_grad_target else input.new_empty(0))
 
-    return forward, backward
+    @torch.no_grad()
+    def recompute_gradients_(input, target, scale, grad_output, applied, grad_input, grad_target, *op_args):
+        """The forward's gradients with grad_output as the factor, rounded once, over the saved ones
+        (the kernel skips that where applied equals grad_output: the same values)."""
+        _, *grads = accumulated(input, target, op_args)
+        for saved, grad in zip((grad_input, grad_target), grads):
+            if saved.numel():
+                saved.copy_(grad * (scale * grad_output.item()))
+
+    return forward, backward, recompute_gradients_
 
 
 def squared_error(x, y):
@@ -57,7 +66,7 @@ REDUCTION_NAMES = {code: name for name, code in loss_helpers.REDUCTION_CODES.ite
 
 
 def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, want_grads,
-                        grad_output=None):
+                        grad_output=None, factor=1.0):
     """The loss by torch's formula (cross_entropy.reference_cross_entropy), and the gradients of
     logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
     (an op's implementation runs below autograd). In the accumulation type."""
@@ -97,7 +106,8 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
     grad_x = grad_x + torch.where(keep, 2 * z_loss * (lse * z_scale)[:, None] * p, 0.0)
     if grad_y is not None:
         grad_y = grad_y * scale[:, None] if reduction == "none" else grad_y * scale
-    grads = [grad.to(logits.dtype) if wanted else logits.new_empty(0) for grad, wanted in zip((grad_x, grad_y), want_grads)]
+    grads = [(grad * factor).to(logits.dtype) if wanted else logits.new_empty(0)
+             for grad, wanted in zip((grad_x, grad_y), want_grads)]
     return loss, grads, lse
 
 
@@ -122,6 +132,17 @@ def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing
     return tuple(grads)
 
 
+@torch.no_grad()
+def cross_entropy_recompute_gradients_(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                       grad_output, applied, grad_logits, grad_target):
+    wants = (grad_logits.numel() > 0, grad_target.numel() > 0)
+    _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, REDUCTION_NAMES[reduction],
+                                      label_smoothing, z_loss, wants, factor=grad_output.item())
+    for saved, grad in zip((grad_logits, grad_target), grads):
+        if saved.numel():
+            saved.copy_(grad)
+
+
 def scale_by_grad_output_(grad, grad_output):
     """In the accumulation type, rounded once: grad_output is not rounded to grad's dtype first."""
     assert grad_output.numel() == 1
@@ -136,7 +157,7 @@ class _ScaleSavedGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, target, loss_and_grads):
-        loss, ctx.grads, ctx.user_operands, ctx.differentiable = loss_and_grads
+        loss, ctx.grads, ctx.user_operands, ctx.differentiable, ctx.recompute = loss_and_grads
         ctx.set_materialize_grads(False)
         return loss
 
@@ -151,20 +172,25 @@ class _ScaleSavedGradients(torch.autograd.Function):
             return None, None, None
         # Scaled copies (the node scales in place when no later backward can come; same values).
         copies = [None if grad is None else grad.clone() for grad in ctx.grads]
+        if ctx.recompute is not None:
+            ctx.recompute(grad_output, None, *copies)
+            return (*copies, None)
         for grad in copies:
             if grad is not None:
                 scale_by_grad_output_(grad, grad_output)
         return (*copies, None)
 
 
-def attach_saved_gradients(loss, input, grad_input, target, grad_target, user_input, user_target, differentiable):
+def attach_saved_gradients(loss, input, grad_input, target, grad_target, user_input, user_target, differentiable,
+                           recompute):
     grads = tuple(grad if operand.requires_grad else None
                   for operand, grad in ((input, grad_input), (target, grad_target)))
-    return _ScaleSavedGradients.apply(input, target, (loss, grads, (user_input, user_target), differentiable))
+    return _ScaleSavedGradients.apply(input, target, (loss, grads, (user_input, user_target), differentiable,
+                                                      recompute))
 
 
 MODELS = {
     "mse": pointwise_model(squared_error),
     "kl_div": pointwise_model(kl_div_terms),
-    "cross_entropy": (cross_entropy_forward, cross_entropy_backward),
+    "cross_entropy": (cross_entropy_forward, cross_entropy_backward, cross_entropy_recompute_gradients_),
 }

@@ -81,26 +81,29 @@ def test_a_float32_weight_with_bfloat16_logits_is_computed_in_float32(forward_ca
 
 @pytest.mark.parametrize("grad_output", [1 / 3, 0.1])
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_a_float32_grad_output_scales_a_bfloat16_gradient_unrounded(name, grad_output, forward_calls):
-    check_float32_grad_output_scales_unrounded(name, grad_output, "cpu", LOSSES[name].fused("sum"))
+def test_a_float32_grad_output_reaches_a_bfloat16_gradient_before_its_one_rounding(name, grad_output,
+                                                                                    forward_calls):
+    check_one_rounding(name, grad_output, "cpu", LOSSES[name].fused("sum"))
 
 
-def check_float32_grad_output_scales_unrounded(name, grad_output, device, fused):
-    """Autocast's loss is float32, and so is its grad_output: backward multiplies the bfloat16 gradient
-    the forward wrote by it in float32 and rounds once (grad_output is not rounded to bfloat16 first).
-    Against float64 that is at most 1.5 ulp: the forward's rounding, 0.5, which the product carries
-    as up to 1 ulp of its own, then the product's. torch's own is 0.5 (it rounds once, from float32)."""
+def check_one_rounding(name, grad_output, device, fused):
+    """Autocast's loss is float32, and so is its grad_output: torch multiplies the float32 gradient by it
+    and rounds to bfloat16 once, 0.5 ulp from float64. Ours too: the forward keeps its operands and
+    backward recomputes the gradient with grad_output (rounding the forward's bfloat16 gradient again
+    would give up to 1.5 ulp). The same bits whatever backward ran before: 1, a guess below 1 (2^-20),
+    grad_output itself."""
     x, *others = LOSSES[name].inputs(64, 100, torch.bfloat16, device)
-    grads = []
-    for scale in (1.0, grad_output):
-        leaf = x.detach().requires_grad_()
-        fused(leaf, *others).backward(torch.tensor(scale, device=device))
-        grads.append(leaf.grad)
-    assert torch.equal(grads[1], (grads[0].float() * torch.tensor(grad_output, device=device)).bfloat16())
     truth = x.double().requires_grad_()
     LOSSES[name].reference("sum")(truth, *[t.double() if t.is_floating_point() else t for t in others]).backward(
         torch.tensor(grad_output, dtype=torch.float64, device=device))
-    assert max_ulps(grads[1], truth.grad) <= 1.5
+    grads = []
+    for before in (1.0, 2.0**-20, grad_output):
+        fused(x.detach().requires_grad_(), *others).backward(torch.tensor(before, device=device))
+        leaf = x.detach().requires_grad_()
+        fused(leaf, *others).backward(torch.tensor(grad_output, device=device))
+        assert max_ulps(leaf.grad, truth.grad) <= 0.5, before
+        grads.append(leaf.grad)
+    assert all(torch.equal(grad, grads[0]) for grad in grads[1:])
 
 
 def test_outside_autocast_nothing_changes(kernels_modelled_on_cpu):
@@ -152,6 +155,46 @@ def test_float16_softmax_gradient_is_not_flushed_before_the_loss_scale():
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_output", [1 / 3, 0.1])
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_a_float32_grad_output_scales_a_bfloat16_gradient_unrounded_on_the_gpu(name, grad_output):
-    check_float32_grad_output_scales_unrounded(name, grad_output, "cuda",
-                                               under_autocast(LOSSES[name].fused("sum"), torch.bfloat16))
+def test_a_float32_grad_output_reaches_a_bfloat16_gradient_before_its_one_rounding_on_the_gpu(name, grad_output):
+    check_one_rounding(name, grad_output, "cuda", under_autocast(LOSSES[name].fused("sum"), torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_wrong_guess_below_1_costs_tiny_gradients_no_bits(compiled):
+    """After a backward at 2^-20 the forward guesses it: tiny gradients times 2^-20 fall below
+    2^-126, where bfloat16 keeps fewer bits. Backward at 1 recomputes them, exact."""
+    fused = under_autocast(losses.mse_loss, torch.bfloat16)
+    if compiled:
+        fused = torch.compile(fused, fullgraph=True)
+    x = (torch.rand(64, 100, device="cuda") * 2.0**-100).bfloat16()  # gradients 2x / n near 2^-112
+    y = torch.zeros_like(x)
+    fused(x.detach().requires_grad_(), y).backward(torch.tensor(2.0**-20, device="cuda"))
+    leaf = x.detach().requires_grad_()
+    fused(leaf, y).backward(torch.tensor(1.0, device="cuda"))
+    assert max_ulps(leaf.grad, 2 * x.double() / x.numel()) <= 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_kept_operands_go_with_the_first_backward_and_a_retained_graph_recomputes_each_time(name):
+    """The operands a bfloat16 loss keeps for its recompute live until the backward that keeps no graph."""
+    import weakref
+    fused = under_autocast(LOSSES[name].fused("mean"), torch.bfloat16)
+    leaf, *others = LOSSES[name].inputs(64, 100, torch.bfloat16, "cuda")
+    leaf.requires_grad_()
+    input = leaf * 1  # the operand the loss keeps, held by nothing else
+    kept = weakref.ref(input)
+    loss = fused(input, *others)
+    del input
+    assert kept() is not None
+    grads = []
+    for grad_output in (0.1, 1 / 3):
+        loss.backward(torch.tensor(grad_output, device="cuda"), retain_graph=True)
+        grads.append(leaf.grad)
+        leaf.grad = None
+        assert kept() is not None
+    loss.backward(torch.tensor(0.1, device="cuda"))
+    assert kept() is None
+    assert torch.equal(leaf.grad, grads[0])
+    assert not torch.equal(grads[0], grads[1])

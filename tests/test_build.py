@@ -123,13 +123,13 @@ def test_a_builds_autograd_node_wires_the_graph():
     ops = loader.load("mse", arch=build_arch())
     leaf = torch.randn(3, requires_grad=True)
     input, target = leaf * 2, torch.randn(3)
-    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target, None)
+    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target, None, None)
     assert loss.requires_grad and loss.grad_fn.name() == "FusedLossBackward"
     assert [edge[0] for edge in loss.grad_fn.next_functions] == [input.grad_fn, None]
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(loss, leaf, create_graph=True)
     with pytest.raises(RuntimeError, match="loss must be a 0-dim tensor without a grad_fn"):
-        ops.attach_saved_gradients(loss, input, None, target, None, input, target, None)
+        ops.attach_saved_gradients(loss, input, None, target, None, input, target, None, None)
 
 
 def test_a_builds_autograd_node_differentiates_again_through_its_callback():
@@ -147,13 +147,13 @@ def test_a_builds_autograd_node_differentiates_again_through_its_callback():
 
     input = leaf * 2
     loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target,
-                                      differentiable)
+                                      differentiable, None)
     (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
     torch.testing.assert_close(grad, 4 * (leaf * 2 - target))  # d/dleaf of sum((2 leaf - t)^2)
     (second,) = torch.autograd.grad(grad.sum(), leaf)
     torch.testing.assert_close(second, torch.full((3,), 8.0))
     loss = ops.attach_saved_gradients(torch.zeros(()), leaf * 2, torch.ones(3), target, None, leaf * 2, target,
-                                      differentiable)  # its input, leaf * 2, is freed at once
+                                      differentiable, None)  # its input, leaf * 2, is freed at once
     with pytest.raises(RuntimeError, match="input, which is no longer alive"):
         torch.autograd.grad(loss, leaf, create_graph=True)
 
@@ -176,7 +176,7 @@ def test_a_builds_autograd_node_passes_on_no_gradient():
     ops = loader.load("mse", arch=build_arch())
     leaf, other = torch.randn(3, requires_grad=True), torch.randn((), requires_grad=True)
     input, target = leaf * 2, torch.randn(3)
-    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target, None)
+    loss = ops.attach_saved_gradients(torch.zeros(()), input, torch.ones(3), target, None, input, target, None, None)
     _NoGradientForFirst.apply(loss, other).backward()
     assert leaf.grad is None and other.grad is not None
 

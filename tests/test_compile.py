@@ -98,6 +98,8 @@ def op_calls(device):
         calls.append((kernel, "backward", (x, y, torch.rand_like(x), True, False, *op_args)))
         calls.append((kernel, "backward", (x, y, torch.rand_like(x), False, True, *op_args)))
         calls.append((kernel, "scale_by_grad_output_", (x.clone(), torch.tensor(2.0, device=device))))
+        calls.append((kernel, "recompute_gradients_", (x, y, 0.5, torch.tensor(2.0, device=device), None,
+                                                       torch.empty_like(x), x.new_empty(0), *op_args)))
     for dtype in (torch.float32, torch.float64):
         logits = torch.randn(6, 10, device=device, dtype=dtype).t()  # non-contiguous: outputs are not
         no_weight, weight = None, torch.rand(6, device=device, dtype=dtype)
@@ -113,6 +115,10 @@ def op_calls(device):
                                                                False)))
             calls.append(("cross_entropy", "backward", (logits, target, weights, -100, 0.1, 1e-3, grad_output,
                                                         True, probs)))
+            grad_target = torch.empty(10, 6, device=device, dtype=dtype) if probs else logits.new_empty(0)
+            calls.append(("cross_entropy", "recompute_gradients_", (
+                logits, target, weights, -100, MEAN, 0.1, 1e-3, grad_output[0], torch.ones((), device=device),
+                torch.empty(10, 6, device=device, dtype=dtype), grad_target)))
     return calls
 
 

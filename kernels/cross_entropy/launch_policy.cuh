@@ -370,7 +370,7 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     params.ce_scale = scalar_loss && call.reduction == kMean && call.probs ? 1.0 / double(rows) : 1.0;
     params.grad_output = static_cast<const T*>(call.grad_output);
     params.guess_source = grad_output_guess_source(call.guess, context);
-    params.guess_applied = call.guess.applied;
+    params.guess = call.guess;
     params.loss_per_row = static_cast<T*>(call.loss_per_row);
     params.lse = static_cast<acc_t*>(call.lse);
     params.grad_logits = static_cast<T*>(call.grad_logits);

@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   using Pair = MaxSum<acc_t, exp_sum_type<T>>;
   using Part = RowPart<acc_t, exp_sum_type<T>>;
   wait_for_previous_kernel();
+  if (recompute_is_needless(params.guess_source, params.guess)) return;  // the whole cluster alike
   __shared__ Pair scratch_pair[32];
   __shared__ sum_t scratch_sum[32];
   __shared__ acc_t target_logit_here;

@@ -218,6 +218,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
   wait_for_previous_kernel();
+  if (recompute_is_needless(params.guess_source, params.guess)) return;
   const GradientScales<acc_t> scales = gradient_scales<T, kProbs>(params, want_grad, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in team leaders
 

@@ -343,8 +343,8 @@ struct CrossEntropyParams {
   // gridDim.x), after its rows.
   sum_t* divisors_by_blocks;
   const T* grad_output;   // (rows): backward of 'none' (replaces the scales), or nullptr
-  const double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess.cuh), or nullptr
-  ScalarOut guess_applied;     // where the factor used is recorded, or nullptr
+  double* guess_source;  // a scalar reduction's guess at grad_output (grad_output_guess.cuh), or nullptr
+  GradOutputGuess guess;  // where the factor used is recorded, or a recompute's
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
   acc_type<T>* lse;  // (rows)
@@ -394,9 +394,9 @@ __device__ __forceinline__ GradientScales<acc_t> gradient_scales(const CrossEntr
     scales.z = static_cast<acc_t>(1.0 / block_sum(count, scratch));
   }
   if (want_grad) {
-    const auto guess = static_cast<acc_t>(grad_output_guess<T>(params.guess_source, params.guess_applied));
-    scales.ce *= guess;
-    scales.z *= guess;
+    const auto factor = static_cast<acc_t>(grad_output_factor<T>(params.guess_source, params.guess));
+    scales.ce *= factor;
+    scales.z *= factor;
   }
   return scales;
 }
