@@ -11,9 +11,10 @@ added here and not to the C++ body, or the other way round, fails the build.
 
 Tensor(a!) marks a tensor the op writes in place; "()" returns nothing.
 
-An argument added to cross-entropy's forward: its schema here; cross_entropy.py's user function,
-Module and the call's argument tuple; the field it fills in kernels/ops.h's CrossEntropyCall
-(entry_points.h, one line) and the math that reads it; tests/kernel_models.py's model.
+An argument added to cross-entropy's forward: its schema here (recompute_gradients_'s too, where
+it changes the gradient); cross_entropy.py's user function, Module and the call's argument tuple
+(and _recompute_arguments); the field it fills in kernels/ops.h's CrossEntropyCall (entry_points.h's
+CrossEntropyInputs, one line) and the math that reads it; tests/kernel_models.py's model.
 """
 from __future__ import annotations
 
