@@ -5,7 +5,8 @@ backward with grad (backward from 2.5, so the in-place scale runs too), on odd s
 a vector body with a scalar tail, one element, a misaligned view, and for
 cross-entropy rows in registers (C = 5) and beyond them (C = 40000, 150001, and 40001 and 65537
 in more rows than the grid has blocks; C = 4099 in enough rows for a warp each without grad),
-with weight, label smoothing, z-loss, probability targets and inplace_backward. The row passes
+with weight, label smoothing, z-loss, probability targets and inplace_backward; under bfloat16
+autocast the same kernels again in backward (their recompute, grad_output 2.5). The row passes
 (kernels/row_passes.cu): cross-entropy with softcap (a warp a row, and a block a row where rows are few) in
 float64 too, and linear_cross_entropy under each schedule (choose_schedule), float32 d weight summed.
 """
@@ -89,10 +90,27 @@ def main():
                     [logits, probabilities], (0, 1))
             run(lambda a, t: losses.cross_entropy(a * 1, t, inplace_backward=True, return_lse=True)[0],
                 [logits, target], (0,))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        recomputes()
     for dtype in DTYPES + (torch.float64,):
         row_passes(dtype)
     torch.cuda.synchronize()
     print("sanitize_driver: every kernel ran")
+
+
+def recomputes():
+    """Autocast's bfloat16 scalar losses: backward from 2.5 runs each forward kernel again (recompute_gradients_)."""
+    for x in pointwise_shapes(torch.bfloat16):
+        run(lambda a, b: losses.mse_loss(a, b), [x, torch.randn_like(x)], (0, 1))
+        run(lambda a, b: losses.kl_div(a, b, reduction="batchmean"), [x.sigmoid().log(), x.sigmoid()], (0, 1))
+    for logits in logits_shapes(torch.bfloat16):
+        rows, classes = logits.shape
+        target = torch.randint(0, classes, (rows,), device="cuda")
+        weight = torch.rand(classes, device="cuda", dtype=torch.bfloat16)
+        probabilities = torch.randn(rows, classes, device="cuda").softmax(1).bfloat16()
+        run(lambda a, t: losses.cross_entropy(a, t, weight=weight, label_smoothing=0.1, z_loss=1e-3), [logits, target],
+            (0,))
+        run(lambda a, y: losses.cross_entropy(a, y, reduction="sum"), [logits, probabilities], (0, 1))
 
 
 def row_passes(dtype):
