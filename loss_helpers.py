@@ -270,8 +270,18 @@ def recompute(op, operands, leading, trailing, grad_output, applied, *grads) -> 
 
 def recompute_for_node(op, operands, leading, trailing=()):
     """The eager node's recompute(grad_output, applied, grad_input, grad_target)
-    (kernels/autograd_node.h): it holds the operands."""
-    return functools.partial(recompute, op, operands, leading, trailing)
+    (kernels/autograd_node.h): it holds the operands, and raises as torch does for a saved tensor
+    where one was modified in place since (it would read the new values)."""
+    versions = tuple(None if operand is None else operand._version for operand in operands)
+    return functools.partial(_recompute_unmodified, op, operands, versions, leading, trailing)
+
+
+def _recompute_unmodified(op, operands, versions, leading, trailing, *call):
+    if any(operand is not None and operand._version != version for operand, version in zip(operands, versions)):
+        raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                           "operation: under bfloat16 autocast a fused loss keeps its input to recompute its gradient "
+                           "in backward, and that input was modified after the loss was computed")
+    recompute(op, operands, leading, trailing, *call)
 
 
 def no_second_derivative(what: str) -> None:

@@ -106,6 +106,18 @@ def check_one_rounding(name, grad_output, device, fused):
     assert all(torch.equal(grad, grads[0]) for grad in grads[1:])
 
 
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_an_input_modified_after_the_loss_raises_in_backward(name, forward_calls):
+    """The input kept for the recompute is checked as torch checks a saved tensor."""
+    leaf, *others = LOSSES[name].inputs(6, 10, torch.bfloat16, "cpu")
+    input = leaf.requires_grad_() * 1
+    loss = LOSSES[name].fused("sum")(input, *others)
+    with torch.no_grad():
+        input.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward(torch.tensor(0.1))
+
+
 def test_outside_autocast_nothing_changes(kernels_modelled_on_cpu):
     x = torch.randn(6, 10, dtype=torch.bfloat16)
     assert losses.mse_loss(x, torch.randn_like(x)).dtype == torch.bfloat16
