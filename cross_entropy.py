@@ -283,15 +283,18 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         The loss equals cross_entropy of the gathered logits, and the gradient is this
         shard's part of it. Not with inplace_backward.
     """
-    reduction = helpers.legacy_reduction(size_average, reduce, reduction)
-    helpers.check_reduction(reduction, ("none", "mean", "sum"))
-    helpers.check_same_device(input, target, weight)
-    _check_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
-    check_softcap(softcap)
-    if inplace_backward:
-        if process_group is not None or softcap is not None:
-            raise ValueError("inplace_backward is not supported with process_group or softcap")
-        _check_inplace_backward(input, reduction)
+    with vocab_parallel.share_argument_errors(process_group, input):  # raised on one rank: raised on every rank
+        reduction = helpers.legacy_reduction(size_average, reduce, reduction)
+        helpers.check_reduction(reduction, ("none", "mean", "sum"))
+        helpers.check_same_device(input, target, weight)
+        _check_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
+        check_softcap(softcap)
+        if inplace_backward:
+            if process_group is not None or softcap is not None:
+                raise ValueError("inplace_backward is not supported with process_group or softcap")
+            _check_inplace_backward(input, reduction)
+        if process_group is not None and softcap is not None and not row_passes.uses_kernels(target, weight):
+            raise ValueError("cross_entropy: softcap with process_group takes class-index targets without weight")
     user_operands = (input, target)
     (input, target, weight), float_loss = helpers.autocast_operands(reduction, input, target, weight)
     path, why_not = choose_path(input, target, weight, softcap, process_group)

@@ -13,7 +13,8 @@ result is deterministic for a fixed group.
 Shards tile [0, V) in any rank order (an empty shard anywhere). A rank's first class is
 `vocab_start`, by default rank * C_r (equal shards). Validity is decided collectively: a first, tiny
 all-reduce, before any of the rows' size, carries every rank's facts (first class, classes, rows, input
-width, dtype), which every rank that reads them judges alike. Ranks that disagree on rows, width or dtype
+width, dtype, and the text of a ValueError its argument checks raised: share_argument_errors), which every
+rank that reads them judges alike. An argument error, or ranks that disagree on rows, width or dtype,
 raise at once (their all-reduces could not match); a tiling that fails (overlap, gap, past the class limit)
 raises after the call's last all-reduce (raise_if_invalid: for linear_cross_entropy with gradients, in
 backward), so no peer is left waiting. On CPU the facts are host memory, read at every call: every rank
@@ -21,7 +22,8 @@ raises the same ValueError, naming the faulty rank. On a GPU a read is a host sy
 it first sees its layout (group, first class, classes, dtype), and not after (CUDA graphs capture after a
 warm-up call). So where every rank is new to its layout, every rank raises; a layout new to one rank
 later raises there alone, and its peers, which read nothing, get NaN (the device's verdict,
-_layout_on_device); other rows or input width after a rank's first call go unseen.
+_layout_on_device); an argument error there raises on that rank alone, and other rows or input width after
+a rank's first call go unseen: the peers wait in their next all-reduce.
 Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
 Every call takes the row-pass engine (row_passes.py) over the shard: its statistics, combined
@@ -34,6 +36,7 @@ engine over chunks of its logits.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -48,6 +51,9 @@ else:
 
 CLASS_ID_LIMIT = 2**24  # class ids and V travel in the accumulation type: float32 holds integers exactly to here
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # the facts' dtype codes
+# A rank's facts: first class, classes, rows, input width, dtype code, then an argument error's text (UTF-8,
+# its first 8 x _MESSAGE_WORDS bytes, 8 to a word; all 0 for none).
+_MESSAGE_WORDS = 32
 # The layouts (first class, classes, dtype) this rank has checked, per group. Weak keys: a destroyed
 # group's entry goes with it, so a new group at its address is checked afresh.
 _checked_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -61,6 +67,15 @@ def check_group_device(group, logits: torch.Tensor) -> None:
     backend = str(dist.get_backend(group)).lower()
     if backend == "nccl" and not logits.is_cuda:
         raise ValueError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
+
+
+def check_arguments(facts) -> str | None:
+    """The first argument error a rank's call raised (share_argument_errors), naming the rank, or None."""
+    for rank, row in enumerate(facts):
+        if any(row[5:]):
+            text = b"".join(word.to_bytes(8, "little", signed=True) for word in row[5:]).rstrip(b"\0")
+            return f"process_group: rank {rank}'s call is not valid: {text.decode(errors='replace')}"
+    return None
 
 
 def check_agreement(facts) -> str | None:
@@ -101,15 +116,37 @@ def check_tiling(facts) -> str | None:
     return None
 
 
-def _share_facts(group, like: torch.Tensor, facts) -> torch.Tensor:
-    """The facts' all-reduce (SUM), before any of the rows' size: every rank's facts, (world, len(facts))
-    int64 on like's device, a row a rank."""
+def _share_facts(group, like: torch.Tensor, facts, error: str | None = None) -> torch.Tensor:
+    """The facts' all-reduce (SUM), before any of the rows' size: every rank's facts and argument error,
+    (world, 5 + _MESSAGE_WORDS) int64 on like's device, a row a rank."""
+    encoded = (error or "").encode()[:8 * _MESSAGE_WORDS]
+    words = [int.from_bytes(encoded[at:at + 8].ljust(8, b"\0"), "little", signed=True) for at in range(0, len(encoded), 8)]
     rank = dist.get_rank(group)
-    shared = torch.zeros(dist.get_world_size(group), len(facts), dtype=torch.int64, device=like.device)
-    for column, value in enumerate(facts):
-        shared[rank, column].fill_(value)  # a fill kernel: a copy from the host would sync (and cannot be captured)
+    shared = torch.zeros(dist.get_world_size(group), 5 + _MESSAGE_WORDS, dtype=torch.int64, device=like.device)
+    for column, value in enumerate((*facts, *words)):
+        if value:  # a fill kernel: a copy from the host would sync (and cannot be captured)
+            shared[rank, column].fill_(value)
     dist.all_reduce(shared, op=dist.ReduceOp.SUM, group=group)
     return shared
+
+
+@contextlib.contextmanager
+def share_argument_errors(group, like):
+    """Around a call's argument checks: where group is a process group and a check raises ValueError
+    here, this rank joins the facts' all-reduce its peers are in with the error's text, and raises what
+    every rank that reads the facts raises (check_arguments). Where they read nothing (a GPU after a
+    layout's first call) they go on to their next all-reduce, which this rank does not join."""
+    try:
+        yield
+    except ValueError as error:
+        if group is None or not isinstance(like, torch.Tensor):
+            raise
+        try:
+            check_group_device(group, like)
+            shared = _share_facts(group, like, (0,) * 5, str(error) or type(error).__name__)
+        except Exception:  # no group to tell (not one, or torch.distributed not initialized): this rank's error
+            raise error from None
+        raise ValueError(check_arguments(shared.tolist())) from error
 
 
 def _reads_every_call(shared: torch.Tensor) -> bool:
@@ -146,7 +183,7 @@ class Shards:
         self.error = None  # a tiling this rank saw fail: raise_if_invalid raises it once the call's all-reduces are done
         if _reads_every_call(shared) or layout not in checked:
             facts = shared.tolist()
-            error = check_agreement(facts)
+            error = check_arguments(facts) or check_agreement(facts)
             if error is not None:  # where every rank reads (CPU, or a first call everywhere), every rank raises
                 raise ValueError(error)
             self.error = check_tiling(facts)
@@ -185,8 +222,6 @@ class Shards:
 def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, softcap,
                        group, vocab_start):
     """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
-    if softcap is not None and not row_passes.uses_kernels(target, weight):
-        raise ValueError("cross_entropy: softcap with process_group takes class-index targets without weight")
     shards = Shards(group, logits.shape[1], vocab_start, logits)
     loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), weight, (
         ignore_index, label_smoothing, z_loss, softcap or 0.0, reduction, shards))

@@ -346,6 +346,8 @@ FAULTS = {
     "rows": (lambda world: 1, lambda call: dict(call, rows=ROWS - 1), "rows"),
     "dtype": (lambda world: 0, lambda call: dict(call, dtype=torch.float64), "same dtype"),
     "input width (linear)": (lambda world: world - 1, lambda call: dict(call, hidden=HIDDEN + 1), "width"),
+    "an argument": (lambda world: world // 2, lambda call: dict(call, target_rows=ROWS - 1),
+                    r"call is not valid: target must (have|hold)"),
     "layout change between calls": (lambda world: world - 1, lambda call: dict(call, start=call["start"] + 1),
                                     "belong to no rank"),
     "group reused after destruction": (lambda world: world - 1, lambda call: dict(call, start=call["start"] - 1),
@@ -357,7 +359,7 @@ SEEN_BY_THE_FAULTY_RANK_ON_A_GPU = "layout change between calls"
 
 
 def one_call(loss, group, device, start, width, vocab=None, rows=ROWS, dtype=torch.float32, hidden=HIDDEN,
-             target=None):
+             target=None, target_rows=None):
     """loss ('cross_entropy' or 'linear') on this rank's classes [start, start + width), forward and backward.
     Given vocab (a valid layout), the inputs are the same on every rank and the loss and gradients are
     checked against torch's unsharded ones (a target outside [0, V): NaN for its row alone)."""
@@ -367,7 +369,7 @@ def one_call(loss, group, device, start, width, vocab=None, rows=ROWS, dtype=tor
     shape = (classes, hidden) if loss == "linear" else (rows, classes)  # the head (V, H), or the logits (N, V)
     whole = torch.randn(shape, generator=generator).to(dtype).to(device)
     if target is None:
-        target = torch.randint(0, max(classes, 1), (rows,), generator=generator).to(device)
+        target = torch.randint(0, max(classes, 1), (target_rows or rows,), generator=generator).to(device)
     mine = whole[first:first + width] if loss == "linear" else whole[:, first:first + width]
     mine, x_mine = mine.clone().requires_grad_(), x.clone().requires_grad_()
     if loss == "linear":
