@@ -235,7 +235,7 @@ def gradient_graph(formula, operands, wants, grad_output):
 def backward_from_saved_grads(ctx, grad_output: torch.Tensor):
     """Backward of a scalar loss whose forward wrote the gradients, in a Function (under
     torch.compile; eagerly, kernels/autograd_node.h's node does this): scale them by
-    grad_output, or recompute them (ctx.recompute, see keep_for_recompute), and hand them to
+    grad_output, or recompute them (ctx.recompute, see keeps_operands), and hand them to
     autograd. The compiled graph is functional: the op writes a copy of the saved gradient, so
     a second backward is correct there. Saved: the two gradients (None where not wanted), then
     a recompute's operands."""
