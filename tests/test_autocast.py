@@ -165,10 +165,13 @@ def test_float16_softmax_gradient_is_not_flushed_before_the_loss_scale():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("grad_output", [1 / 3, 0.1])
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_a_float32_grad_output_reaches_a_bfloat16_gradient_before_its_one_rounding_on_the_gpu(name, grad_output):
-    check_one_rounding(name, grad_output, "cuda", under_autocast(LOSSES[name].fused("sum"), torch.bfloat16))
+def test_a_float32_grad_output_reaches_a_bfloat16_gradient_before_its_one_rounding_on_the_gpu(name, grad_output,
+                                                                                               compiled):
+    fused = under_autocast(LOSSES[name].fused("sum"), torch.bfloat16)
+    check_one_rounding(name, grad_output, "cuda", torch.compile(fused, fullgraph=True) if compiled else fused)
 
 
 @pytest.mark.gpu
