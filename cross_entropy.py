@@ -283,7 +283,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         The loss equals cross_entropy of the gathered logits, and the gradient is this
         shard's part of it. Not with inplace_backward.
     """
-    with vocab_parallel.share_argument_errors(process_group, input):  # raised on one rank: raised on every rank
+    try:
         reduction = helpers.legacy_reduction(size_average, reduce, reduction)
         helpers.check_reduction(reduction, ("none", "mean", "sum"))
         helpers.check_same_device(input, target, weight)
@@ -295,6 +295,8 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
             _check_inplace_backward(input, reduction)
         if process_group is not None and softcap is not None and not row_passes.uses_kernels(target, weight):
             raise ValueError("cross_entropy: softcap with process_group takes class-index targets without weight")
+    except ValueError as error:  # with process_group: raised on every rank
+        vocab_parallel.raise_on_every_rank(process_group, input, error)
     user_operands = (input, target)
     (input, target, weight), float_loss = helpers.autocast_operands(reduction, input, target, weight)
     path, why_not = choose_path(input, target, weight, softcap, process_group)

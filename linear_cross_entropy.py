@@ -606,7 +606,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     in the forward's gradients, so it costs no pass. Under CUDA autocast the linear runs in
     autocast's dtype and the loss is float32, as torch's.
     """
-    with vocab_parallel.share_argument_errors(process_group, input):  # raised on one rank: raised on every rank
+    try:
         probabilities = _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                          label_smoothing, z_loss, softcap)
         _check_divisor(divisor, reduction)
@@ -615,6 +615,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         if process_group is not None and why_whole is not None:
             raise ValueError(f"process_group takes class indices without class weights and a (C, H) linear_weight, "
                              f"got {why_whole}")
+    except ValueError as error:  # with process_group: raised on every rank
+        vocab_parallel.raise_on_every_rank(process_group, input, error)
     allow_retain_graph = schedule_options.pop("allow_retain_graph", False)
     ignore_index = -100 if ignore_index is None else int(ignore_index)
     if target.dtype == torch.uint8:  # torch takes uint8 class indices; the row passes int64 or int32

@@ -13,7 +13,7 @@ result is deterministic for a fixed group.
 Shards tile [0, V) in any rank order (an empty shard anywhere). A rank's first class is
 `vocab_start`, by default rank * C_r (equal shards). Validity is decided collectively: a first, tiny
 all-reduce, before any of the rows' size, carries every rank's facts (first class, classes, rows, input
-width, dtype, and the text of a ValueError its argument checks raised: share_argument_errors), which every
+width, dtype, and the text of a ValueError its argument checks raised: raise_on_every_rank), which every
 rank that reads them judges alike. An argument error, or ranks that disagree on rows, width or dtype,
 raise at once (their all-reduces could not match); a tiling that fails (overlap, gap, past the class limit)
 raises after the call's last all-reduce (raise_if_invalid: for linear_cross_entropy with gradients, in
@@ -36,7 +36,6 @@ engine over chunks of its logits.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -51,9 +50,9 @@ else:
 
 CLASS_ID_LIMIT = 2**24  # class ids and V travel in the accumulation type: float32 holds integers exactly to here
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # the facts' dtype codes
-# A rank's facts: first class, classes, rows, input width, dtype code, then an argument error's text (UTF-8,
-# its first 8 x _MESSAGE_WORDS bytes, 8 to a word; all 0 for none).
-_MESSAGE_WORDS = 32
+# A rank's facts: _FACTS columns (first class, classes, rows, input width, dtype code), then an argument
+# error's text (UTF-8, its first 8 x _MESSAGE_WORDS bytes, 8 to a word; all 0 for none).
+_FACTS, _MESSAGE_WORDS = 5, 32
 # The layouts (first class, classes, dtype) this rank has checked, per group. Weak keys: a destroyed
 # group's entry goes with it, so a new group at its address is checked afresh.
 _checked_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -70,10 +69,10 @@ def check_group_device(group, logits: torch.Tensor) -> None:
 
 
 def check_arguments(facts) -> str | None:
-    """The first argument error a rank's call raised (share_argument_errors), naming the rank, or None."""
+    """The first argument error a rank's call raised (raise_on_every_rank), naming the rank, or None."""
     for rank, row in enumerate(facts):
-        if any(row[5:]):
-            text = b"".join(word.to_bytes(8, "little", signed=True) for word in row[5:]).rstrip(b"\0")
+        if any(row[_FACTS:]):
+            text = b"".join(word.to_bytes(8, "little", signed=True) for word in row[_FACTS:]).rstrip(b"\0")
             return f"process_group: rank {rank}'s call is not valid: {text.decode(errors='replace')}"
     return None
 
@@ -118,11 +117,12 @@ def check_tiling(facts) -> str | None:
 
 def _share_facts(group, like: torch.Tensor, facts, error: str | None = None) -> torch.Tensor:
     """The facts' all-reduce (SUM), before any of the rows' size: every rank's facts and argument error,
-    (world, 5 + _MESSAGE_WORDS) int64 on like's device, a row a rank."""
+    (world, _FACTS + _MESSAGE_WORDS) int64 on like's device, a row a rank."""
     encoded = (error or "").encode()[:8 * _MESSAGE_WORDS]
-    words = [int.from_bytes(encoded[at:at + 8].ljust(8, b"\0"), "little", signed=True) for at in range(0, len(encoded), 8)]
+    words = [int.from_bytes(encoded[at:at + 8].ljust(8, b"\0"), "little", signed=True)
+             for at in range(0, len(encoded), 8)]
     rank = dist.get_rank(group)
-    shared = torch.zeros(dist.get_world_size(group), 5 + _MESSAGE_WORDS, dtype=torch.int64, device=like.device)
+    shared = torch.zeros(dist.get_world_size(group), _FACTS + _MESSAGE_WORDS, dtype=torch.int64, device=like.device)
     for column, value in enumerate((*facts, *words)):
         if value:  # a fill kernel: a copy from the host would sync (and cannot be captured)
             shared[rank, column].fill_(value)
@@ -130,23 +130,21 @@ def _share_facts(group, like: torch.Tensor, facts, error: str | None = None) -> 
     return shared
 
 
-@contextlib.contextmanager
-def share_argument_errors(group, like):
-    """Around a call's argument checks: where group is a process group and a check raises ValueError
-    here, this rank joins the facts' all-reduce its peers are in with the error's text, and raises what
-    every rank that reads the facts raises (check_arguments). Where they read nothing (a GPU after a
-    layout's first call) they go on to their next all-reduce, which this rank does not join."""
-    try:
-        yield
-    except ValueError as error:
-        if group is None or not isinstance(like, torch.Tensor):
-            raise
+def raise_on_every_rank(group, like, error: ValueError):
+    """For a call whose argument checks raised `error` (called from their except clause: a try costs
+    the calls that raise nothing no host time): where group is a process group, this rank joins the
+    facts' all-reduce its peers are in with the error's text, and raises what every rank that reads the
+    facts raises (check_arguments). Where they read nothing (a GPU after a layout's first call) they go
+    on to their next all-reduce, which this rank does not join. Without a group to tell (None, not
+    one, or torch.distributed not initialized): raises error itself."""
+    if group is not None and isinstance(like, torch.Tensor):
         try:
             check_group_device(group, like)
-            shared = _share_facts(group, like, (0,) * 5, str(error) or type(error).__name__)
-        except Exception:  # no group to tell (not one, or torch.distributed not initialized): this rank's error
+            shared = _share_facts(group, like, (0,) * _FACTS, str(error) or type(error).__name__)
+        except Exception:
             raise error from None
         raise ValueError(check_arguments(shared.tolist())) from error
+    raise error
 
 
 def _reads_every_call(shared: torch.Tensor) -> bool:
