@@ -158,10 +158,16 @@ def loss_fn_for(impl: str, loss: str):
     if impl == "eager_F":
         return EAGER_F[loss]
     if impl == "compile":
-        import torch._dynamo  # not imported by `import torch` on older versions
-        torch._dynamo.reset()  # a fresh cache per case: no recompile limits, no dynamic shapes
-        return torch.compile(EAGER[loss])
+        return fresh_compile(EAGER[loss])
     return LIGER[loss]
+
+
+def fresh_compile(fn):
+    """torch.compile(fn) with an empty cache: every case compiles for itself, with no recompile
+    limit (past 8 recompiles of one function torch runs it eagerly) and no dynamic shapes."""
+    import torch._dynamo  # not imported by `import torch` on older versions
+    torch._dynamo.reset()
+    return torch.compile(fn)
 
 
 # ----------------------------------------------------------------------------------
@@ -768,7 +774,7 @@ def linear_ce_impls(softcap) -> dict:
         return F.cross_entropy(logits, t)
 
     impls = {"ours": lambda x, w, t: losses.linear_cross_entropy(x, w, t, softcap=softcap),
-             "eager": eager, "compile": torch.compile(eager)}
+             "eager": eager, "compile": fresh_compile(eager)}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         liger = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
