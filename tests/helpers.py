@@ -130,7 +130,8 @@ def default_grad_output(reference, inputs):
 
 
 def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=None, case="",
-                          loss_without_grad=True, floor=FLOOR, grads_within_ulps=True, grad_floors=None):
+                          loss_without_grad=True, floor=FLOOR, grads_within_ulps=True, grad_floors=None,
+                          loss_within_ulps=True):
     """fused(*inputs) vs reference(*inputs) (a torch.nn.functional formula).
 
     inputs: tensors in the dtype under test (integer ones, like class indices, are
@@ -140,7 +141,8 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
     the norm-wise floor per dtype (FLOOR). grads_within_ulps: each element of a 2-byte
     gradient within ULPS of float64 too (False where eager's is not either: a gradient that is
     a matrix product of rounded values, as linear_cross_entropy's). grad_floors: each gradient's
-    floor instead (for gradients that are differences of larger terms).
+    floor instead (for gradients that are differences of larger terms). loss_within_ulps: the
+    same for a 2-byte loss (False where it is a function of rounded values, as eager's).
     """
     dtype = inputs[0].dtype
     as_float64 = [t.double() if t.is_floating_point() else t for t in inputs]
@@ -175,7 +177,7 @@ def check_against_float64(fused, reference, inputs, grad_of=(0,), grad_output=No
     # A loss is a difference of terms as large as the input (cross-entropy's lse - x_t): near 0
     # it carries their float32 rounding.
     scales = [input_scale(inputs[0])] * 2 + [0.0] * len(ours_grads)
-    elementwise = names if grads_within_ulps else names[:2]
+    elementwise = (names[:2] if loss_within_ulps else []) + (names[2:] if grads_within_ulps else [])
     ulps = {name: max_ulps(ours, truth, scale) for name, ours, truth, scale in zip(names, outputs, truths, scales)
             if ours.dtype in ULPS and name in elementwise}
     _log_errors({"case": case, "dtype": str(dtype), "ours": ours_errors, "eager": eager_errors, "ulps": ulps})
