@@ -8,8 +8,7 @@ in more rows than the grid has blocks; C = 4099 in enough rows for a warp each w
 with weight, label smoothing, z-loss, probability targets and inplace_backward; under bfloat16
 autocast the same kernels again in backward (their recompute, grad_output 2.5). The row passes
 (kernels/row_passes.cu): cross-entropy with softcap (a warp a row, and a block a row where rows are few) in
-float64 too, and linear_cross_entropy under each schedule (choose_schedule), float32 d weight summed, and
-its rows in one pass (whole_rows) in 16-byte packs, past the shared-memory stash, in more rows than blocks.
+float64 too, and linear_cross_entropy under each schedule (choose_schedule), float32 d weight summed.
 """
 import os
 import sys
@@ -134,13 +133,6 @@ def row_passes(dtype):
                 run(lambda a, w, t, b: losses.linear_cross_entropy(a, w, t, linear_bias=b, reduction=reduction,
                                                                    softcap=softcap, z_loss=1e-3),
                     [x, head, target, bias], grad_of)
-    # The rows in one pass (whole_rows): 16-byte packs, rows longer than the stash in shared memory, and more
-    # rows than the grid's blocks (each block's next row copied in as it writes the gradient).
-    wide = 120000
-    x, head = torch.randn(140, 64, device="cuda", dtype=dtype), torch.randn(wide, 64, device="cuda", dtype=dtype) / 8
-    target = torch.randint(0, wide, (140,), device="cuda")
-    target[1] = -100
-    run(lambda a, w, t: losses.linear_cross_entropy(a, w, t, label_smoothing=0.1), [x, head, target], (0,))
     if dtype == torch.bfloat16:  # a float32 master weight under autocast: d weight summed in float32
         with torch.autocast("cuda", dtype=dtype):
             run(lambda a, w, t: losses.linear_cross_entropy(a, w, t), [x.float(), head.float(), target], (0, 1))
