@@ -9,8 +9,7 @@ The logits are made a chunk at a time, F.linear in the operands' dtype as eager'
 into their gradient in place (rounded to that dtype as eager's d logits are). choose_schedule
 picks how, from the gradients wanted and d weight's dtype:
 - "rows": chunks of rows with every class (ROW_CHUNK_BYTES), so each row's lse is complete in its
-  chunk (its statistics and gradient in one pass over it, row_passes.whole_rows): the forward
-  writes the loss, d input = g W and, where wanted, d weight += g^T x summed in
+  chunk: the forward writes the loss, d input = g W and, where wanted, d weight += g^T x summed in
   the accumulation type over the chunks (a float32 master weight's gradient is that sum itself):
   1 product for eval, 2 for a frozen head, 3 for a float32 d weight. Backward only scales them by
   grad_output (on CUDA nothing to do for 1).
@@ -210,11 +209,11 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
         end = min(first + height, rows)
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device)  # contiguous, for the kernels
-        if any(wants):  # the statistics, then the gradient over z, in one pass
-            row_passes.whole_rows(z, t, chunk_stats, row_scale[first:end], label_smoothing, z_loss, softcap)
-        else:
-            row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap)
+        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap)
         stats[:, first:end] = chunk_stats
+        if any(wants):
+            row_passes.write_gradient(z, z, t, 0, vocab, row_passes.softmax_stats_of(chunk_stats),
+                                      row_scale[first:end], label_smoothing, z_loss, softcap)
         if wants[0]:
             _mm(z, weight, grad_x[first:end])
         if wants[1]:

@@ -70,8 +70,6 @@ KERNEL_OPS = {
         "backward": ("(Tensor logits, Tensor(a!) grad, Tensor target, int class_start, int classes, "
                      "Tensor? class_count, Tensor softmax_stats, Tensor row_scale, float label_smoothing, "
                      "float z_loss, float softcap) -> ()"),
-        "whole_rows": ("(Tensor(a!) logits, Tensor target, Tensor(b!) stats, Tensor row_scale, float label_smoothing, "
-                       "float z_loss, float softcap) -> ()"),
     },
 }
 

@@ -10,9 +10,7 @@ row's scale, writes the chunk's gradient. Three schedules run them:
   vocabulary shard's logits (vocab_parallel.py; with class weights or probabilities too), whose
   statistics are combined across the group between the passes (its Shards object);
 - linear_cross_entropy.py: chunks of logits (of rows or of classes) that a matrix product just
-  wrote, turned into their gradient in place (in the forward, or recomputed in backward). Chunks
-  of rows hold every class: whole_rows runs both passes over them in one kernel, each row read
-  once (H100, frozen head: Llama 3 8192 x 4096 x 128256 bf16 27.3 -> 26.7 ms a step; notes v50).
+  wrote, turned into their gradient in place (in the forward, or recomputed in backward).
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ else:
     import loss_helpers as helpers
 
 _COMPILE_LIBRARY = helpers.define_compile_ops("row_passes", {"forward": helpers.no_outputs_fake,
-                                                             "backward": helpers.no_outputs_fake,
-                                                             "whole_rows": helpers.no_outputs_fake})
+                                                             "backward": helpers.no_outputs_fake})
 STAT_ROWS = 5  # max, sum of exp, target logit, logit sum, sum of exp over the other classes
 WEIGHTED_STAT_ROWS = 7  # the torch twin's, for class weights or probabilities (the rows: above _weighted_targets)
 
@@ -51,19 +48,6 @@ def fold_stats(z, target, start: int, classes: int, stats, softcap: float, weigh
         helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap)
     else:
         _stats_torch(z, target, start, stats, softcap, weight)
-
-
-def whole_rows(z, target, stats, row_scale, label_smoothing: float, z_loss: float, softcap: float) -> None:
-    """Rows of every class, z (rows, V): writes their statistics into stats (STAT_ROWS, rows), as
-    fold_stats into new_stats, then their gradient over z, as write_gradient given
-    softmax_stats_of(stats) and row_scale. On CUDA one pass (kernels/row_passes.cu), each row read once
-    (most of it: what the stash in shared memory does not hold is read again)."""
-    if z.is_cuda:
-        helpers.kernel_ops("row_passes", z).whole_rows(z, target, stats, row_scale, label_smoothing, z_loss, softcap)
-        return
-    stats.copy_(new_stats(z.shape[0], z.dtype, z.device))
-    fold_stats(z, target, 0, z.shape[1], stats, softcap)
-    write_gradient(z, z, target, 0, z.shape[1], softmax_stats_of(stats), row_scale, label_smoothing, z_loss, softcap)
 
 
 def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: float, z_loss: float):

@@ -536,21 +536,4 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
   run_kernels([&] { logit_chunk_gradient_launch(call, context.launch()); });
 }
 
-// Whole rows (every class; linear_cross_entropy's chunks of rows), in one pass: their
-// statistics written into stats (5, rows), as forward folds them into new_stats, then their
-// gradient over the logits in place, as backward writes it given softmax_stats_of(stats) and
-// row_scale.
-inline FUSED_LOSSES_ROW_PASSES_WHOLE_ROWS_RETURNS row_passes_whole_rows(FUSED_LOSSES_ROW_PASSES_WHOLE_ROWS_PARAMS) {
-  CallContext context(logits);
-  LogitChunkCall call = logit_chunk_call(logits, target, 0, logits.size(1), softcap);
-  check_row_tensor(stats, logits, 5, "stats");
-  check_row_tensor(row_scale, logits, 1, "row_scale");
-  call.grad = logits.data_ptr();
-  call.stats = stats.data_ptr();
-  call.row_scale = row_scale.data_ptr();
-  call.label_smoothing = label_smoothing;
-  call.z_loss = z_loss;
-  run_kernels([&] { whole_rows_launch(call, context.launch()); });
-}
-
 }  // namespace fused_losses

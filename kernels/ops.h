@@ -125,7 +125,5 @@ struct LogitChunkCall {
 
 void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context);
 void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext& context);
-// Rows of every class, the gradient written over the logits (call.grad, call.logits alike).
-void whole_rows_launch(const LogitChunkCall& call, const LaunchContext& context);
 
 }  // namespace fused_losses

@@ -19,9 +19,6 @@
 //             class outside [0, classes), which the forward marked NaN).
 // Bytes per logit (b = element size): stats b, gradient 2b. One warp a row, or a block a row
 // where the rows are few (warps_per_row).
-// whole_rows: rows that hold every class (linear_cross_entropy's chunks of rows) in one pass,
-// the stats and then the gradient over the logits, 2b a logit: a block a row, each thread's
-// first packs stashed in shared memory between the two.
 
 #include <type_traits>
 
@@ -129,17 +126,20 @@ __device__ __forceinline__ T row_allreduce(T value, Combine combine, T identity,
   return parts == 1 ? warp_allreduce(value, combine) : block_allreduce(value, combine, identity, scratch);
 }
 
-// A lane's share of a row's statistics: a running max, the sums of exp (all classes, and the
-// others than the target) rescaled once per pack, and the sum of the (capped) logits.
-template <typename T>
-struct RowFold {
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitChunkCall call, int parts) {
   using acc_t = acc_type<T>;
-  acc_t m, s, others, sum;
-
-  __device__ static RowFold empty() { return {-infinity<acc_t>(), 0, 0, 0}; }
-
-  template <int VEC>
-  __device__ __forceinline__ void add(const Pack<T, VEC>& pack, int64_t i, int64_t t, const Softcap<T>& softcap) {
+  __shared__ acc_t scratch[32];
+  wait_for_previous_kernel();
+  const RowShare share = row_share(parts);
+  const int64_t row = share.row;
+  if (row >= call.rows) return;  // a block a row has none past the end: no barrier skipped
+  const Softcap<T> softcap(call.softcap);
+  const T* z = static_cast<const T*>(call.logits) + row * call.width;
+  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
+  // Per lane: a running max and sums of exp (all classes, the others), rescaled once per pack.
+  acc_t m = -infinity<acc_t>(), s = 0, others = 0, sum = 0;
+  for_each_lane_pack<T, VEC>(z, call.width, share, [&](const Pack<T, VEC>& pack, int64_t i) {
     acc_t v[VEC];
     acc_t pack_max = -infinity<acc_t>();
 #pragma unroll
@@ -160,82 +160,27 @@ struct RowFold {
       s += e;
       others += i + k == t ? acc_t(0) : e;
     }
-  }
-
-  // The row's: its max, each lane's sums moved onto it, then summed over the row's lanes.
-  __device__ __forceinline__ RowFold row(int parts, acc_t* scratch) const {
-    const acc_t row_max = row_allreduce(m, MaxOp(), -infinity<acc_t>(), parts, scratch);
-    const acc_t to_row = m == row_max ? acc_t(1) : exp_minus<T>(m, row_max);
-    return {row_max, row_allreduce(s * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch),
-            row_allreduce(others * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch),
-            row_allreduce(sum, SumOp<acc_t>(), acc_t(0), parts, scratch)};
-  }
-};
-
-// A row's gradient from its softmax statistics (shift m, log s, the target's p - 1) and scale r.
-template <typename T>
-struct RowGradientTerms {
-  using acc_t = acc_type<T>;
-  acc_t shift, log_sum, target_p_minus_1, r, eps, a, b;
-  int64_t t;
-
-  __device__ RowGradientTerms(const LogitChunkCall& call, int64_t row, acc_t shift_, acc_t log_sum_,
-                              acc_t target_p_minus_1_, int64_t t_)
-      : shift(shift_), log_sum(log_sum_), target_p_minus_1(target_p_minus_1_), t(t_) {
-    r = static_cast<const acc_t*>(call.row_scale)[row];
-    eps = static_cast<acc_t>(call.label_smoothing);
-    a = r * (acc_t(1) + acc_t(2 * call.z_loss) * (shift + log_sum));
-    const acc_t classes = call.class_count != nullptr ? *static_cast<const acc_t*>(call.class_count)
-                                                      : static_cast<acc_t>(call.classes);
-    b = r * eps / classes;
-  }
-
-  template <int VEC>
-  __device__ __forceinline__ Pack<T, VEC> of(Pack<T, VEC> pack, int64_t i, const Softcap<T>& softcap) const {
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      acc_t slope;
-      const acc_t capped = softcap.apply(static_cast<acc_t>(pack.val[k]), slope);
-      const acc_t p = exp_minus<T>(capped - shift, log_sum);
-      // At the target a p - r (1 - eps) - b, with p - 1 given.
-      const acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
-      // An ignored row: 0, not 0 times an infinite logit's terms.
-      pack.val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
-    }
-    return pack;
-  }
-};
-
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitChunkCall call, int parts) {
-  using acc_t = acc_type<T>;
-  __shared__ acc_t scratch[32];
-  wait_for_previous_kernel();
-  const RowShare share = row_share(parts);
-  const int64_t row = share.row;
-  if (row >= call.rows) return;  // a block a row has none past the end: no barrier skipped
-  const Softcap<T> softcap(call.softcap);
-  const T* z = static_cast<const T*>(call.logits) + row * call.width;
-  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
-  RowFold<T> fold = RowFold<T>::empty();
-  for_each_lane_pack<T, VEC>(z, call.width, share, [&](const Pack<T, VEC>& pack, int64_t i) {
-    fold.add(pack, i, t, softcap);
   });
-  const RowFold<T> chunk = fold.row(parts, scratch);
+  // The row's max, each lane's sum moved onto it, then the row's.
+  const acc_t row_max = row_allreduce(m, MaxOp(), -infinity<acc_t>(), parts, scratch);
+  const acc_t to_row = m == row_max ? acc_t(1) : exp_minus<T>(m, row_max);
+  s = row_allreduce(s * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch);
+  others = row_allreduce(others * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch);
+  sum = row_allreduce(sum, SumOp<acc_t>(), acc_t(0), parts, scratch);
   if (share.lane != 0) return;
   acc_t* stats = static_cast<acc_t*>(call.stats);
   acc_t& run_max = stats[row];
   acc_t& run_sum = stats[call.rows + row];
   acc_t& run_others = stats[4 * call.rows + row];
   // A NaN logit lives on in the sums (max_acc drops it).
-  const acc_t new_max = max_acc(run_max, chunk.m);
+  const acc_t new_max = max_acc(run_max, row_max);
   const acc_t old_scale = run_max == new_max ? acc_t(1) : exp_minus<T>(run_max, new_max);
-  const acc_t new_scale = chunk.m == new_max ? acc_t(1) : exp_minus<T>(chunk.m, new_max);
-  run_sum = run_sum * old_scale + chunk.s * new_scale;
-  run_others = run_others * old_scale + chunk.others * new_scale;
+  const acc_t new_scale = row_max == new_max ? acc_t(1) : exp_minus<T>(row_max, new_max);
+  run_sum = run_sum * old_scale + s * new_scale;
+  run_others = run_others * old_scale + others * new_scale;
   run_max = new_max;
   if (t >= 0 && t < call.width) stats[2 * call.rows + row] = softcap.apply(static_cast<acc_t>(z[t]));
-  stats[3 * call.rows + row] += chunk.sum;
+  stats[3 * call.rows + row] += sum;
 }
 
 template <typename T, int VEC>
@@ -248,111 +193,30 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
   const Softcap<T> softcap(call.softcap);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   T* grad = static_cast<T*>(call.grad) + row * call.width;
-  const acc_t* softmax_stats = static_cast<const acc_t*>(call.softmax_stats);
-  const RowGradientTerms<T> terms(call, row, softmax_stats[row], softmax_stats[call.rows + row],
-                                  softmax_stats[2 * call.rows + row],
-                                  target_of(call.target, call.target_int32, row) - call.class_start);
-  for_each_lane_pack<T, VEC>(z, call.width, share, [&](const Pack<T, VEC>& pack, int64_t i) {
-    store_pack<T, VEC>(grad + i, terms.of(pack, i, softcap));
+  const acc_t r = static_cast<const acc_t*>(call.row_scale)[row];
+  const acc_t shift = static_cast<const acc_t*>(call.softmax_stats)[row];
+  const acc_t log_sum = static_cast<const acc_t*>(call.softmax_stats)[call.rows + row];
+  const acc_t target_p_minus_1 = static_cast<const acc_t*>(call.softmax_stats)[2 * call.rows + row];
+  const acc_t lse = shift + log_sum;
+  const acc_t eps = static_cast<acc_t>(call.label_smoothing);
+  const acc_t a = r * (acc_t(1) + acc_t(2 * call.z_loss) * lse);
+  const acc_t classes = call.class_count != nullptr ? *static_cast<const acc_t*>(call.class_count)
+                                                    : static_cast<acc_t>(call.classes);
+  const acc_t b = r * eps / classes;
+  const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
+  for_each_lane_pack<T, VEC>(z, call.width, share, [&](Pack<T, VEC> pack, int64_t i) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      acc_t slope;
+      const acc_t capped = softcap.apply(static_cast<acc_t>(pack.val[k]), slope);
+      const acc_t p = exp_minus<T>(capped - shift, log_sum);
+      // At the target a p - r (1 - eps) - b, with p - 1 given.
+      const acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
+      // An ignored row: 0, not 0 times an infinite logit's terms.
+      pack.val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
+    }
+    store_pack<T, VEC>(grad + i, pack);
   });
-}
-
-// whole_rows: a block a row, one block a multiprocessor with all of its shared memory for the
-// stash (so the fewest rows in flight: what is not stashed is read again, most likely from L2).
-constexpr int kWholeRowThreads = 512;
-constexpr int kWholeRowWarps = kWholeRowThreads / 32;
-
-// A pack from global into shared memory: on sm_80 and later by cp.async, without registers,
-// waited for by wait_for_copies (this thread's copies); elsewhere a load and a store.
-template <typename T, int VEC>
-__device__ __forceinline__ void copy_to_shared(Pack<T, VEC>* to, const T* from) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (sizeof(Pack<T, VEC>) == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(to))),
-                 "l"(from)
-                 : "memory");
-    return;
-  }
-#endif
-  *to = load_pack<T, VEC>(from);
-}
-
-__device__ __forceinline__ void wait_for_copies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
-// Rows of every class (class_start 0, width = classes), the gradient written over the logits:
-// the statistics (written to stats as the stats kernel folds them into new ones, and the
-// softmax statistics from them as row_passes.softmax_stats_of), then the gradient. Each
-// thread's first `stash_packs` packs of a row are copied into shared memory (the stash) while
-// the rest go through registers, and read from there again for the gradient; as each stashed
-// pack's gradient is written, the same pack of the block's next row is copied in its place.
-// No thread reads another's stash: no barrier but the reductions'.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kWholeRowThreads) whole_rows_kernel(LogitChunkCall call, int stash_packs) {
-  using acc_t = acc_type<T>;
-  __shared__ acc_t scratch[32];
-  extern __shared__ __align__(16) unsigned char stash_bytes[];
-  wait_for_previous_kernel();
-  const Softcap<T> softcap(call.softcap);
-  const int rank = threadIdx.x;
-  const int64_t packs = call.width / VEC;  // VEC divides the width (whole_rows_launch)
-  const int64_t mine = rank < packs ? (packs - 1 - rank) / kWholeRowThreads + 1 : 0;  // this thread's packs
-  const int64_t stashed = mine < stash_packs ? mine : stash_packs;
-  auto first_of = [&](int64_t n) { return (rank + n * kWholeRowThreads) * VEC; };  // its n-th pack's element
-  Pack<T, VEC>* stash = reinterpret_cast<Pack<T, VEC>*>(stash_bytes) + rank;  // its n-th at [n * threads]
-  T* logits = static_cast<T*>(call.grad);  // the logits, then their gradient
-  acc_t* stats = static_cast<acc_t*>(call.stats);
-  if (blockIdx.x < call.rows) {
-    for (int64_t n = 0; n < stashed; ++n) copy_to_shared(stash + n * kWholeRowThreads, logits + blockIdx.x * call.width + first_of(n));
-  }
-  for (int64_t row = blockIdx.x; row < call.rows; row += gridDim.x) {
-    T* z = logits + row * call.width;
-    const int64_t t = target_of(call.target, call.target_int32, row);
-    RowFold<T> fold = RowFold<T>::empty();
-    for (int64_t n = stashed; n < mine; n += kUnroll) {  // the rest, while the stash's copies land
-      Pack<T, VEC> loaded[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (n + u < mine) loaded[u] = load_pack<T, VEC>(z + first_of(n + u));
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (n + u < mine) fold.add(loaded[u], first_of(n + u), t, softcap);
-      }
-    }
-    wait_for_copies();
-    for (int64_t n = 0; n < stashed; ++n) fold.add(stash[n * kWholeRowThreads], first_of(n), t, softcap);
-    // Read before the reductions' barriers: after them other threads write the gradient.
-    const acc_t target_logit = rank == 0 && t >= 0 && t < call.width ? softcap.apply(static_cast<acc_t>(z[t])) : 0;
-    const RowFold<T> whole = fold.row(kWholeRowWarps, scratch);
-    if (rank == 0) {
-      stats[row] = whole.m;
-      stats[call.rows + row] = whole.s;
-      stats[2 * call.rows + row] = target_logit;
-      stats[3 * call.rows + row] = whole.sum;
-      stats[4 * call.rows + row] = whole.others;
-    }
-    const RowGradientTerms<T> terms(call, row, whole.m, log_acc(whole.s), -whole.others / whole.s, t);
-    for (int64_t n = stashed; n < mine; n += kUnroll) {  // read again: most likely from L2
-      Pack<T, VEC> loaded[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (n + u < mine) loaded[u] = load_pack<T, VEC>(z + first_of(n + u));
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (n + u < mine) store_pack<T, VEC>(z + first_of(n + u), terms.of(loaded[u], first_of(n + u), softcap));
-      }
-    }
-    const T* next = row + gridDim.x < call.rows ? z + gridDim.x * call.width : nullptr;
-    for (int64_t n = 0; n < stashed; ++n) {
-      store_pack<T, VEC>(z + first_of(n), terms.of(stash[n * kWholeRowThreads], first_of(n), softcap));
-      if (next != nullptr) copy_to_shared(stash + n * kWholeRowThreads, next + first_of(n));
-    }
-  }
 }
 
 // Warps a row: one, or the whole block where the rows are too few for a warp each to keep the
@@ -389,31 +253,6 @@ void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& c
 void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext& context) {
   launch_logit_chunk(call, context, [](auto tag, auto vec) {
     return &logit_chunk_gradient_kernel<decltype(tag), decltype(vec)::value>;
-  });
-}
-
-void whole_rows_launch(const LogitChunkCall& call, const LaunchContext& context) {
-  if (call.rows == 0 || call.width == 0) return;
-  dispatch_dtype(call.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int VEC = vec16<T>();
-    auto launch = [&](auto kernel, int64_t pack_elements, size_t pack_bytes) {
-      // Each thread's packs, as many as fit the multiprocessor's shared memory.
-      const int64_t packs = call.width / pack_elements;
-      const int64_t per_thread = (packs + kWholeRowThreads - 1) / kWholeRowThreads;
-      const int64_t fit = int64_t(max_dynamic_smem(kernel, context.device) / (kWholeRowThreads * pack_bytes));
-      const int stash_packs = int(std::min(per_thread, fit));
-      const size_t smem = size_t(stash_packs) * kWholeRowThreads * pack_bytes;
-      const int64_t resident = int64_t(multiprocessor_count(context.device)) *
-                               resident_blocks_per_sm(kernel, kWholeRowThreads, context.device, smem);
-      launch_kernel(kernel, std::min(call.rows, resident), kWholeRowThreads, smem, 1, context.device, context.stream,
-                    call, stash_packs);
-    };
-    if (is_aligned16(call.grad) && call.width % VEC == 0) {
-      launch(&whole_rows_kernel<T, VEC>, VEC, sizeof(Pack<T, VEC>));
-    } else {
-      launch(&whole_rows_kernel<T, 1>, 1, sizeof(Pack<T, 1>));
-    }
   });
 }
 

@@ -22,11 +22,9 @@ from helpers import backwards_on_threads, check_against_float64 as check_float64
 
 
 def check_against_float64(*args, **kwargs):
-    """Norm-wise only: d input and d weight are matrix products of the rounded d logits, and a
-    2-byte 'none' loss a function of the logits rounded to that dtype (as eager's), so neither is
-    within 1 ulp of float64 element by element (H100, float16 with z-loss, 1200 draws: 2 over 1 ulp,
-    the worst 2.2, before and after the rows' one pass)."""
-    return check_float64(*args, grads_within_ulps=False, loss_within_ulps=False, **kwargs)
+    """Gradients norm-wise only: d input and d weight are matrix products of the rounded d logits,
+    within 1 ulp of float64 element by element no more than eager's."""
+    return check_float64(*args, grads_within_ulps=False, **kwargs)
 
 OPTIONS = [dict(reduction=reduction, label_smoothing=smoothing, z_loss=z, softcap=softcap)
            for reduction, smoothing, z, softcap in itertools.product(
@@ -323,45 +321,6 @@ def test_default_chunks_on_cuda(rows, vocab):
     options = dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=30.0)
     inputs = make_inputs((rows,), 64, vocab, torch.bfloat16, "cuda")
     check_against_float64(fused(options), reference(options), inputs, grad_of=(0, 1, 3), case=str(vocab))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["no softcap", "softcap"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("rows,vocab", [(7, 300000), (300, 5003), (300, 4096)])
-def test_whole_rows_in_one_pass_match_the_two_passes(rows, vocab, dtype, softcap):
-    """row_passes.whole_rows (the rows' forward: a block a row, each thread's first packs stashed in
-    shared memory) against the stats pass then the gradient pass: a row longer than the stash
-    (300000 classes), an odd width (the unvectorized kernel), more rows than blocks; with label
-    smoothing, z-loss, an ignored row, a class outside [0, V) and a confident row. The lanes sum in
-    another order: the statistics and the gradient within their rounding."""
-    torch.manual_seed(0)
-    z = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
-    t = torch.randint(0, vocab, (rows,), device="cuda")
-    t[1], t[2] = -100, vocab + 5
-    z[3, t[3]] = 40  # p_t - 1 about -1e-12: exact only as the others' sum
-    from row_passes import fold_stats, new_stats, row_scales, softmax_stats_of, whole_rows, write_gradient
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    count = (t != -100).sum()
-    row_scale = row_scales(torch.tensor(0.7, device="cuda"), t, count, -100, vocab, "mean", acc)
-    two = new_stats(rows, dtype, "cuda")
-    fold_stats(z, t, 0, vocab, two, softcap)
-    grad = torch.empty_like(z)
-    write_gradient(z, grad, t, 0, vocab, softmax_stats_of(two), row_scale, 0.1, 1e-3, softcap)
-    rounding = 1e-12 if acc == torch.float64 else 1e-5
-    logit_sum_rounding = rounding * z.to(acc).abs().sum(1)  # the logits' sum cancels: against its terms' size
-    one = torch.full_like(two, 7.0)  # written, not folded into
-    whole_rows(z, t, one, row_scale, 0.1, 1e-3, softcap)  # z becomes its gradient
-    assert ((one[3] - two[3]).abs() <= logit_sum_rounding).all()
-    torch.testing.assert_close(one[[0, 1, 2, 4]], two[[0, 1, 2, 4]], rtol=rounding, atol=0, equal_nan=True)
-    # The gradient a p - b (b the smoothing's share) within 2 ulps of the dtype, and the softmax's
-    # rounding in the other order (at most 1000 of the sums' ulps) of its terms a p + b, which cancel.
-    expected, smoothing_share = grad.double(), (row_scale.double() * 0.1 / vocab).abs()[:, None]
-    bound = (2 * torch.finfo(dtype).eps * expected.abs()
-             + 1000 * torch.finfo(acc).eps * (expected.abs() + 2 * smoothing_share))
-    close = torch.where(expected.isnan(), z.isnan(), (z.double() - expected).abs() <= bound)
-    assert close.all(), (z.double() - expected).abs().div(bound).nan_to_num().max()
-    assert z[1].eq(0).all() and z[2].isnan().all()
 
 
 def leaf_inputs(*args):
