@@ -22,9 +22,11 @@ from helpers import backwards_on_threads, check_against_float64 as check_float64
 
 
 def check_against_float64(*args, **kwargs):
-    """Gradients norm-wise only: d input and d weight are matrix products of the rounded d logits,
-    within 1 ulp of float64 element by element no more than eager's."""
-    return check_float64(*args, grads_within_ulps=False, **kwargs)
+    """Norm-wise only: d input and d weight are matrix products of the rounded d logits, and a
+    2-byte 'none' loss a function of the logits rounded to that dtype (as eager's), so neither is
+    within 1 ulp of float64 element by element (H100, float16 with z-loss, 1200 draws: 2 over 1 ulp,
+    the worst 2.2)."""
+    return check_float64(*args, grads_within_ulps=False, loss_within_ulps=False, **kwargs)
 
 OPTIONS = [dict(reduction=reduction, label_smoothing=smoothing, z_loss=z, softcap=softcap)
            for reduction, smoothing, z, softcap in itertools.product(
