@@ -59,7 +59,9 @@ def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: floa
     softmax_stats = softmax_stats_of(stats)
     lse = lse_of(softmax_stats)
     counted, invalid = _row_counts(target, ignore_index, classes)
-    ce = (1 - label_smoothing) * _target_nll(stats, lse) + label_smoothing * (lse - stats[3] / classes)
+    ce = (1 - label_smoothing) * _target_nll(stats, lse)
+    if label_smoothing:  # a masked class's -inf makes the logit sum -inf: 0 times it would be NaN, torch's term is 0
+        ce = ce + label_smoothing * (lse - stats[3] / classes)
     loss = torch.where(invalid, torch.nan, torch.where(counted, ce + z_loss * lse.square(), 0.0))
     return loss, softmax_stats, counted.sum()
 
@@ -233,7 +235,10 @@ def _stats_torch(z, target, start, stats, softcap, weight):
     stats[0] = new_max
     if len(stats) == WEIGHTED_STAT_ROWS:
         w, wy = _weighted_targets(z, target, weight, start)
-        stats[2] += (wy * z).sum(1)
+        target_terms = wy * z
+        if not target.is_floating_point():  # a class index: the one-hot's zeros times masked classes' -inf are 0
+            target_terms = torch.where(wy == 0, 0.0, target_terms)
+        stats[2] += target_terms.sum(1)
         stats[3] += (w * z).sum(1)
         stats[5] += wy.sum(1)
         stats[6] += w.sum()
@@ -283,9 +288,11 @@ def _weighted_loss(stats, target, ignore_index, classes, label_smoothing, z_loss
     torch's; the rows for probabilities) and the z-loss's (the counted rows))."""
     lse = stats[0] + torch.log(stats[1])
     counted, invalid = _row_counts(target, ignore_index, classes)
-    # S lse - sum_c a_c x_c, its two terms apart: each cancels less than the whole
-    ce = ((1 - label_smoothing) * (stats[5] * lse - stats[2])
-          + label_smoothing / classes * (stats[6] * lse - stats[3]))
+    # S lse - sum_c a_c x_c, its two terms apart: each cancels less than the whole; the smoothing's only
+    # where it is asked for (a masked class's -inf in the logit sum, times 0, would be NaN)
+    ce = (1 - label_smoothing) * (stats[5] * lse - stats[2])
+    if label_smoothing:
+        ce = ce + label_smoothing / classes * (stats[6] * lse - stats[3])
     ce = torch.where(invalid, torch.nan, torch.where(counted, ce, 0.0))
     z = torch.where(counted, z_loss * lse.square(), 0.0)
     count = counted.sum().to(lse.dtype)
