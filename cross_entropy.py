@@ -160,25 +160,34 @@ def _check_inplace_backward(input: torch.Tensor, reduction: str) -> None:
 
 
 def _check_arguments(input, target, weight, ignore_index, label_smoothing, z_loss) -> None:
-    """torch's rules for these arguments, as ValueErrors that name the argument."""
+    """torch's rules for these arguments, as ArgumentErrors (torch raises RuntimeError) that name
+    the argument."""
     dim, shape = input.dim(), input.shape
     if dim == 0:
-        raise ValueError("input must have at least 1 dimension (the classes), got a 0-dim tensor")
+        raise helpers.ArgumentError("input must have at least 1 dimension (the classes), got a 0-dim tensor")
     num_classes = shape[1] if dim > 1 else shape[0]
-    if target.is_floating_point():
-        if target.shape != shape:
-            raise ValueError(f"target of class probabilities must have input's shape {tuple(shape)}, "
-                             f"got {tuple(target.shape)}")
+    if target.shape == shape:  # class probabilities: torch tells them apart by shape alone
+        if not target.is_floating_point():
+            raise helpers.ArgumentError(f"target of input's shape {tuple(shape)} holds class probabilities, which "
+                                        f"must be floating point, got {target.dtype}")
         if ignore_index != -100:
-            raise ValueError("ignore_index is not supported for floating point target (class probabilities)")
-    # Class indices: (N) for (N, C), the usual case, checked cheaply first.
-    elif not (dim == 2 and target.dim() == 1 and target.shape[0] == shape[0]):
-        expected = (shape[0],) + tuple(shape[2:]) if dim >= 2 else ()
-        if tuple(target.shape) != expected:
-            raise ValueError(f"target must have shape {expected} for input of shape {tuple(shape)} "
-                             f"(class dim 1), got {tuple(target.shape)}")
+            raise helpers.ArgumentError("ignore_index is not supported for floating point target (class "
+                                        "probabilities)")
+    else:
+        # Class indices: (N) for (N, C), the usual case, checked cheaply first.
+        if not (dim == 2 and target.dim() == 1 and target.shape[0] == shape[0]):
+            expected = (shape[0],) + tuple(shape[2:]) if dim >= 2 else ()
+            if tuple(target.shape) != expected:
+                raise helpers.ArgumentError(f"target must have shape {expected} for input of shape {tuple(shape)} "
+                                            f"(class dim 1), or input's shape for class probabilities, got "
+                                            f"{tuple(target.shape)}")
+        if target.is_floating_point():  # torch: "expected target dtype to be Long"
+            raise helpers.ArgumentError(f"target of shape {tuple(target.shape)} holds class indices, which must be "
+                                        f"int64, int32 or uint8, got {target.dtype} (class probabilities take "
+                                        f"input's shape {tuple(shape)})")
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != num_classes):
-        raise ValueError(f"weight must have shape ({num_classes},), one value per class, got {tuple(weight.shape)}")
+        raise helpers.ArgumentError(f"weight must have shape ({num_classes},), one value per class, got "
+                                    f"{tuple(weight.shape)}")
     check_smoothing_and_z_loss(label_smoothing, z_loss)
 
 
@@ -189,7 +198,7 @@ def check_softcap(softcap) -> None:
 
 def check_smoothing_and_z_loss(label_smoothing: float, z_loss: float) -> None:
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+        raise helpers.ArgumentError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
     if not z_loss >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
 
@@ -286,7 +295,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     try:
         reduction = helpers.legacy_reduction(size_average, reduce, reduction)
         helpers.check_reduction(reduction, ("none", "mean", "sum"))
-        helpers.check_same_device(input, target, weight)
+        helpers.check_tensors("cross_entropy", input, target, weight)
         _check_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
         check_softcap(softcap)
         if inplace_backward:

@@ -34,7 +34,7 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, size_average=None, reduce=
     """
     reduction = helpers.legacy_reduction(size_average, reduce, reduction)
     helpers.check_reduction(reduction, ("none", "batchmean", "mean", "sum"))
-    helpers.check_same_device(input, target)
+    helpers.check_tensors("kl_div", input, target)
     if not (input.is_floating_point() and target.is_floating_point()):  # torch's checks, before any promotion
         kind = "Complex" if input.is_complex() or target.is_complex() else "Integral"
         raise RuntimeError(f"kl_div: {kind} inputs not supported.")

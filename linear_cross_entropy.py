@@ -446,19 +446,25 @@ def _from_torch_options(options) -> dict:
 
 def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
                      z_loss, softcap) -> bool:
-    """Every argument checked before any work, as ValueErrors that name it (torch's own raises
-    RuntimeErrors for some of these). Returns whether target holds class probabilities."""
+    """Every argument checked before any work, as errors that name it: TypeError for a non-tensor,
+    ArgumentError where torch's own raises RuntimeError. Returns whether target holds class probabilities."""
+    for name, tensor in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(tensor, torch.Tensor):
+            raise helpers.not_a_tensor("linear_cross_entropy", name, tensor)
+    for name, tensor in (("linear_bias", linear_bias), ("weight", weight)):
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise helpers.not_a_tensor("linear_cross_entropy", name, tensor)
     helpers.check_reduction(reduction, ("none", "mean", "sum"))
     if input.dim() < 1 or linear_weight.dim() < 2:
-        raise ValueError(f"input must be (..., H) and linear_weight (C, H) or (C, d1, ..., dK, H); got input "
-                         f"{tuple(input.shape)}, linear_weight {tuple(linear_weight.shape)}")
+        raise helpers.ArgumentError(f"input must be (..., H) and linear_weight (C, H) or (C, d1, ..., dK, H); got "
+                                    f"input {tuple(input.shape)}, linear_weight {tuple(linear_weight.shape)}")
     classes, out_features = linear_weight.shape[0], tuple(linear_weight.shape[1:-1])
     if input.shape[-1] != linear_weight.shape[-1]:
-        raise ValueError(f"input's last dimension H = {input.shape[-1]} differs from linear_weight's "
-                         f"{tuple(linear_weight.shape)} (H last)")
+        raise helpers.ArgumentError(f"input's last dimension H = {input.shape[-1]} differs from linear_weight's "
+                                    f"{tuple(linear_weight.shape)} (H last)")
     if out_features and input.dim() != 2:
-        raise ValueError(f"a K-dimensional linear_weight {tuple(linear_weight.shape)} takes input of shape (N, H), "
-                         f"as torch's, got {tuple(input.shape)}")
+        raise helpers.ArgumentError(f"a K-dimensional linear_weight {tuple(linear_weight.shape)} takes input of shape "
+                                    f"(N, H), as torch's, got {tuple(input.shape)}")
     for name, tensor in (("target", target), ("linear_weight", linear_weight), ("linear_bias", linear_bias),
                          ("weight", weight)):
         if tensor is not None and tensor.device != input.device:
@@ -466,29 +472,32 @@ def _check_arguments(input, linear_weight, target, linear_bias, weight, reductio
     if weight is not None and tuple(weight.shape) != (classes,):
         moved = (" The linear layer's weight is now linear_weight (the second argument) and weight= means class "
                  "weights, as in torch 2.14's F.linear_cross_entropy." if weight.dim() > 1 else "")
-        raise ValueError(f"weight (class weights) must have shape ({classes},), one value per class, got "
-                         f"{tuple(weight.shape)}.{moved}")
+        raise helpers.ArgumentError(f"weight (class weights) must have shape ({classes},), one value per class, got "
+                                    f"{tuple(weight.shape)}.{moved}")
     for name, tensor in (("linear_weight", linear_weight), ("linear_bias", linear_bias), ("weight", weight)):
         if tensor is not None and tensor.dtype != input.dtype and not helpers.under_autocast(input):
-            raise ValueError(f"{name} has dtype {tensor.dtype}, input {input.dtype}: they must match (outside "
-                             f"autocast, as F.linear and F.cross_entropy require)")
+            raise helpers.ArgumentError(f"{name} has dtype {tensor.dtype}, input {input.dtype}: they must match "
+                                        f"(outside autocast, as F.linear and F.cross_entropy require)")
     if linear_bias is not None and tuple(linear_bias.shape) != (classes, *out_features):
-        raise ValueError(f"linear_bias must have shape {(classes, *out_features)}, one value per logit, got "
-                         f"{tuple(linear_bias.shape)}")
+        raise helpers.ArgumentError(f"linear_bias must have shape {(classes, *out_features)}, one value per logit, "
+                                    f"got {tuple(linear_bias.shape)}")
     logits_shape = (*input.shape[:-1], classes, *out_features)
     probabilities = tuple(target.shape) == logits_shape  # as torch tells them apart
     if probabilities and not target.is_floating_point():
-        raise ValueError(f"target of the logits' shape {logits_shape} holds class probabilities, which must be "
-                         f"floating point, got {target.dtype}")
+        raise helpers.ArgumentError(f"target of the logits' shape {logits_shape} holds class probabilities, which "
+                                    f"must be floating point, got {target.dtype}")
     if probabilities and ignore_index is not None:
-        raise ValueError("ignore_index cannot be specified when target contains probabilities (leave it None)")
+        raise helpers.ArgumentError("ignore_index cannot be specified when target contains probabilities (leave it "
+                                    "None)")
     if not probabilities:
         expected = (*input.shape[:-1], *out_features)
         if tuple(target.shape) != expected:
-            raise ValueError(f"target must hold class indices of shape {expected} or probabilities of the logits' "
-                             f"shape {logits_shape}, got {tuple(target.shape)}")
-        if target.dtype not in (torch.int64, torch.int32, torch.uint8):
-            raise ValueError(f"target must hold class indices as int64, int32 or uint8, got {target.dtype}")
+            raise helpers.ArgumentError(f"target must hold class indices of shape {expected} or probabilities of the "
+                                        f"logits' shape {logits_shape}, got {tuple(target.shape)}")
+        if target.dtype not in (torch.int64, torch.int32, torch.uint8):  # torch: "expected target dtype to be Long"
+            raise helpers.ArgumentError(f"target of shape {expected} holds class indices, which must be int64, int32 "
+                                        f"or uint8, got {target.dtype} (class probabilities take the logits' shape "
+                                        f"{logits_shape})")
     ce.check_smoothing_and_z_loss(label_smoothing, z_loss)
     ce.check_softcap(softcap)
     return probabilities
@@ -677,12 +686,17 @@ class LinearCrossEntropyLoss(_WeightedLoss):
                  vocab_start: int | None = None) -> None:
         sizes = (("in_features", in_features), ("num_classes", num_classes),
                  *(("out_features", size) for size in out_features))
+        hint = ("LinearCrossEntropyLoss takes torch 2.14's constructor: (in_features, num_classes, *, ...), and owns "
+                "its linear layer")
+        for name, size in sizes:  # every type first: torch's TypeError wins over a size it would refuse
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"{name} must hold ints, got {size!r} ({hint})")
         for name, size in sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must hold positive ints, got {size!r} (LinearCrossEntropyLoss takes torch "
-                                 f"2.14's constructor: (in_features, num_classes, *, ...), and owns its linear layer)")
+            if size < 1:
+                raise helpers.ArgumentError(f"{name} must hold positive ints, got {size!r} ({hint})")
         if weight is not None and tuple(weight.shape) != (num_classes,):
-            raise ValueError(f"weight (class weights) must have shape ({num_classes},), got {tuple(weight.shape)}")
+            raise helpers.ArgumentError(f"weight (class weights) must have shape ({num_classes},), got "
+                                        f"{tuple(weight.shape)}")
         helpers.check_reduction(reduction, ("none", "mean", "sum"))
         ce.check_smoothing_and_z_loss(label_smoothing, z_loss)
         ce.check_softcap(softcap)

@@ -25,6 +25,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -193,9 +194,20 @@ def cache_root() -> Path:
 # The toolchain: checked once per process, before the first build.
 
 def _cpp_extension():
-    """torch.utils.cpp_extension, imported on first build only (it imports setuptools)."""
-    import torch.utils.cpp_extension as cpp_extension
+    """torch.utils.cpp_extension, imported on first build only (it imports setuptools). Without a
+    GPU its import logs "No CUDA runtime is found, using CUDA_HOME=<its guess>": that line alone is
+    dropped, as a build for a named arch needs no GPU and find_cuda_home picks the toolkit."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    logger.addFilter(_drop_no_cuda_runtime)
+    try:
+        import torch.utils.cpp_extension as cpp_extension
+    finally:
+        logger.removeFilter(_drop_no_cuda_runtime)
     return cpp_extension
+
+
+def _drop_no_cuda_runtime(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 def _nvcc_parallel_flags(home: Path) -> list[str]:

@@ -41,8 +41,14 @@ STRICT_VARIABLE = "FUSED_LOSSES_STRICT"
 # ----------------------------------------------------------------------------------
 # Argument checks.
 
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument for which torch's own function raises RuntimeError (another device, a
+    weight of the wrong length): catchable as torch's RuntimeError, and as ValueError as before.
+    Checks of arguments torch does not have (z_loss, softcap) raise ValueError."""
+
+
 def check_reduction(reduction: str, allowed) -> None:
-    if reduction not in allowed:
+    if reduction not in allowed:  # torch raises ValueError here too
         raise ValueError(f"reduction must be one of {', '.join(map(repr, allowed))}, got {reduction!r}")
 
 
@@ -53,18 +59,29 @@ def legacy_reduction(size_average, reduce, reduction: str) -> str:
     return reduction
 
 
-def check_same_device(input: torch.Tensor, target, weight: torch.Tensor | None = None) -> None:
-    """target (when a tensor: torch raises its own error for anything else) and weight
-    must be on input's device. Written out rather than looped: every loss call pays it."""
+def check_tensors(loss: str, input, target, weight=None) -> None:
+    """input, target and weight (when given) must be tensors on input's device: torch's TypeError
+    naming a non-tensor, its RuntimeError for another device. Written out rather than looped:
+    every loss call pays it."""
+    if not isinstance(input, torch.Tensor):
+        raise not_a_tensor(loss, "input", input)
+    if not isinstance(target, torch.Tensor):
+        raise not_a_tensor(loss, "target", target)
+    if weight is not None and not isinstance(weight, torch.Tensor):
+        raise not_a_tensor(loss, "weight", weight)
     device = input.device
-    if isinstance(target, torch.Tensor) and target.device != device:
+    if target.device != device:
         raise device_error("target", target, input)
     if weight is not None and weight.device != device:
         raise device_error("weight", weight, input)
 
 
-def device_error(name: str, other: torch.Tensor, input: torch.Tensor) -> ValueError:
-    return ValueError(f"{name} is on {other.device} but input is on {input.device}; move both to one device")
+def not_a_tensor(loss: str, name: str, value) -> TypeError:
+    return TypeError(f"{loss}: {name} must be a Tensor, got {type(value).__name__}")
+
+
+def device_error(name: str, other: torch.Tensor, input: torch.Tensor) -> ArgumentError:
+    return ArgumentError(f"{name} is on {other.device} but input is on {input.device}; move both to one device")
 
 
 # ----------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ CPU tensors, torch.func transforms, forward-mode AD and argument combinations th
 do not cover run torch's own implementation: same results. FUSED_LOSSES_STRICT=1 makes such
 a fallback on a CUDA tensor raise instead (the GPU tests do, to prove the kernels ran).
 
+A bad argument raises what torch's function raises for the same call: a TypeError naming a
+non-tensor; where torch raises RuntimeError (another device, a weight of the wrong length),
+loss_helpers.ArgumentError, a RuntimeError and a ValueError at once.
+
 Each loss family lives in a module of its own, read top to bottom (user function, Module,
 autograd Functions, compile ops); this file only hands their names on:
     mse.py, kl_div.py            on pointwise_loss.py (kernels/pointwise.cuh's engine)

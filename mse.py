@@ -22,7 +22,7 @@ def mse_loss(input: torch.Tensor, target: torch.Tensor, size_average=None, reduc
     """F.mse_loss(input, target, ...). `weight` (torch 2.6+) runs torch's implementation."""
     reduction = helpers.legacy_reduction(size_average, reduce, reduction)
     helpers.check_reduction(reduction, ("none", "mean", "sum"))
-    helpers.check_same_device(input, target, weight)
+    helpers.check_tensors("mse_loss", input, target, weight)
     why_not = "weight is not fused yet" if weight is not None else pointwise_loss.fusable(input, target)
     if why_not is None:
         if input.shape != target.shape:  # torch's warning, word for word

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, NamedTuple, Tuple
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -51,6 +52,15 @@ _MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
 _MIN_NORMAL_EXPONENT = {torch.float16: -14, torch.bfloat16: -126}
 
 _CHUNK = 1 << 26
+
+
+def raises_as_torch(ours, theirs):
+    """Runs theirs (torch's call) and ours (the same bad arguments): ours must raise what
+    `except type(torch's error)` catches."""
+    with pytest.raises(Exception) as torch_error:
+        theirs()
+    with pytest.raises(type(torch_error.value)):
+        ours()
 
 
 def rel_err(value: torch.Tensor, truth: torch.Tensor) -> float:

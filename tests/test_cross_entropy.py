@@ -1,6 +1,7 @@
 """cross_entropy / CrossEntropyLoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
 import contextlib
 import math
+import types
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import loader
 import cross_entropy
 import loss_helpers
 import losses
-from helpers import DTYPES, FLOOR, check_against_float64, check_special_values_match_torch, rel_err
+from helpers import DTYPES, FLOOR, check_against_float64, check_special_values_match_torch, raises_as_torch, rel_err
 
 REDUCTIONS = ["mean", "sum", "none"]
 IGNORE = -100
@@ -93,7 +94,10 @@ def test_bad_arguments_raise_clear_errors():
         (dict(input=torch.tensor(1.0), target=torch.tensor(0)), "at least 1 dimension"),
         (dict(reduction="batchmean"), "reduction must be one of"),
         (dict(target=torch.zeros(6, dtype=torch.int64, device="meta")), "target is on meta"),
-        (dict(target=torch.rand(6, 4)), r"class probabilities must have input's shape \(6, 5\)"),
+        (dict(target=torch.rand(6, 4)), r"target must have shape \(6,\) .*, or input's shape for class probabilities"),
+        (dict(target=torch.rand(6)), r"target of shape \(6,\) holds class indices, which must be int64, int32 or "
+                                     r"uint8, got torch.float32 \(class probabilities take input's shape \(6, 5\)\)"),
+        (dict(target=torch.zeros(6, 5, dtype=torch.int64)), "holds class probabilities, which must be floating point"),
         (dict(target=torch.rand(6, 5), ignore_index=0), "ignore_index is not supported"),
         (dict(weight=torch.rand(4)), r"weight must have shape \(5,\)"),
         (dict(label_smoothing=1.5), "label_smoothing must be between 0.0 and 1.0"),
@@ -108,6 +112,54 @@ def test_bad_arguments_raise_clear_errors():
         arguments = dict(input=logits, target=target) | kwargs
         with pytest.raises(ValueError, match=message):
             losses.cross_entropy(**arguments)
+
+
+TORCH = types.SimpleNamespace(cross_entropy=F.cross_entropy, CrossEntropyLoss=torch.nn.CrossEntropyLoss)
+
+
+@pytest.mark.parametrize("case,call", [
+    ("weight of another length", lambda m, x, t: m.cross_entropy(x, t, weight=torch.ones(4))),
+    ("weight of two dims", lambda m, x, t: m.cross_entropy(x, t, weight=torch.ones(5, 1))),
+    ("weight on another device", lambda m, x, t: m.cross_entropy(x, t, weight=torch.ones(5, device="meta"))),
+    ("target on another device", lambda m, x, t: m.cross_entropy(x, t.to("meta"))),
+    ("input on another device", lambda m, x, t: m.cross_entropy(x.to("meta"), t)),
+    ("weight of another dtype", lambda m, x, t: m.cross_entropy(x, t, weight=torch.ones(5, dtype=torch.float64))),
+    ("float class indices", lambda m, x, t: m.cross_entropy(x, t.float())),
+    ("float target of another shape", lambda m, x, t: m.cross_entropy(x, torch.rand(6, 4))),
+    ("integer probabilities", lambda m, x, t: m.cross_entropy(x, torch.zeros(6, 5, dtype=torch.int64))),
+    ("class indices of two dims", lambda m, x, t: m.cross_entropy(x, t[:, None])),
+    ("class indices of another batch", lambda m, x, t: m.cross_entropy(x, t[:5])),  # torch: ValueError
+    ("0-dim input", lambda m, x, t: m.cross_entropy(x[0, 0], t[0])),
+    ("ignore_index with probabilities", lambda m, x, t: m.cross_entropy(x, x.softmax(1), ignore_index=0)),
+    ("label_smoothing above 1", lambda m, x, t: m.cross_entropy(x, t, label_smoothing=1.5)),
+    ("reduction", lambda m, x, t: m.cross_entropy(x, t, reduction="batchmean")),  # torch: ValueError
+    ("input a list", lambda m, x, t: m.cross_entropy(x.tolist(), t)),  # torch: TypeError
+    ("target a list", lambda m, x, t: m.cross_entropy(x, t.tolist())),
+    ("weight a list", lambda m, x, t: m.cross_entropy(x, t, weight=[1.0] * 5)),
+    ("module, weight of another length", lambda m, x, t: m.CrossEntropyLoss(weight=torch.ones(4))(x, t)),
+    ("module, target a list", lambda m, x, t: m.CrossEntropyLoss()(x, t.tolist())),
+])
+def test_bad_calls_raise_what_torch_raises(case, call):
+    """Code that catches torch's error for a bad call catches ours (torch's RuntimeErrors are
+    ArgumentErrors here, still ValueErrors too)."""
+    x, t = torch.randn(6, 5), torch.randint(0, 5, (6,))
+    raises_as_torch(lambda: call(losses, x, t), lambda: call(TORCH, x, t))
+
+
+@pytest.mark.parametrize("name", ["input", "target", "weight"])
+def test_a_non_tensor_gets_a_type_error_that_names_it(name):
+    arguments = dict(input=torch.randn(6, 5), target=torch.randint(0, 5, (6,)), weight=torch.ones(5))
+    arguments[name] = arguments[name].tolist()
+    with pytest.raises(TypeError, match=f"cross_entropy: {name} must be a Tensor, got list"):
+        losses.cross_entropy(**arguments)
+
+
+def test_an_argument_error_with_a_process_group_keeps_its_type():
+    """The checks' errors pass through vocab_parallel.raise_on_every_rank (which catches ValueError);
+    without a group to tell (not one here) it raises them as they were: RuntimeError too."""
+    x, t = torch.randn(6, 5), torch.randint(0, 5, (6,))
+    with pytest.raises(RuntimeError, match=r"weight must have shape \(5,\)"):
+        losses.cross_entropy(x, t, weight=torch.ones(4), process_group=object())
 
 
 def test_module_takes_our_keyword_arguments():

@@ -1,10 +1,12 @@
 """kl_div / KLDivLoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import losses
-from helpers import DTYPES, check_against_float64, check_special_values_match_torch
+from helpers import DTYPES, check_against_float64, check_special_values_match_torch, raises_as_torch
 
 REDUCTIONS = ["batchmean", "mean", "sum", "none"]
 
@@ -62,6 +64,32 @@ def test_bad_arguments_raise_clear_errors():
         losses.kl_div(p, p, reduction="average")
     with pytest.raises(ValueError, match="target is on meta"):
         losses.kl_div(p, torch.empty(3, 4, device="meta"))
+
+
+TORCH = types.SimpleNamespace(kl_div=F.kl_div, KLDivLoss=torch.nn.KLDivLoss)
+
+
+@pytest.mark.parametrize("case,call", [
+    ("target on another device", lambda m, p: m.kl_div(p, p.to("meta"), reduction="sum")),
+    ("input on another device", lambda m, p: m.kl_div(p.to("meta"), p, reduction="sum")),
+    ("integer target", lambda m, p: m.kl_div(p, p.long(), reduction="sum")),
+    ("shapes that do not broadcast", lambda m, p: m.kl_div(p, p[:, :3], reduction="sum")),
+    ("reduction", lambda m, p: m.kl_div(p, p, reduction="average")),  # torch: ValueError
+    ("input a list", lambda m, p: m.kl_div(p.tolist(), p, reduction="sum")),  # torch: TypeError
+    ("target a list", lambda m, p: m.kl_div(p, p.tolist(), reduction="sum")),
+    ("module, target a list", lambda m, p: m.KLDivLoss(reduction="sum")(p, p.tolist())),
+])
+def test_bad_calls_raise_what_torch_raises(case, call):
+    p = probabilities(3, 4)
+    raises_as_torch(lambda: call(losses, p), lambda: call(TORCH, p))
+
+
+@pytest.mark.parametrize("name", ["input", "target"])
+def test_a_non_tensor_gets_a_type_error_that_names_it(name):
+    arguments = dict(input=probabilities(3, 4), target=probabilities(3, 4))
+    arguments[name] = arguments[name].tolist()
+    with pytest.raises(TypeError, match=f"kl_div: {name} must be a Tensor, got list"):
+        losses.kl_div(**arguments)
 
 
 # ----------------------------------------------------------------------------------

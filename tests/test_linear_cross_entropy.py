@@ -18,7 +18,7 @@ from torch import nn
 import linear_cross_entropy
 import cross_entropy
 import losses
-from helpers import backwards_on_threads, check_against_float64 as check_float64
+from helpers import backwards_on_threads, check_against_float64 as check_float64, raises_as_torch
 
 
 def check_against_float64(*args, **kwargs):
@@ -255,7 +255,8 @@ lce = losses.linear_cross_entropy
     ("linear_weight dtype", lambda x, w, t, b: lce(x, w.double(), t, linear_bias=b), "linear_weight has dtype"),
     ("linear_bias length", lambda x, w, t, b: lce(x, w, t, linear_bias=b[:5]), "linear_bias must have shape"),
     ("target shape", lambda x, w, t, b: lce(x, w, t[:, :1], linear_bias=b), "target must hold class indices"),
-    ("target dtype", lambda x, w, t, b: lce(x, w, t.float(), linear_bias=b), "class indices as int64"),
+    ("target dtype", lambda x, w, t, b: lce(x, w, t.float(), linear_bias=b),
+     r"target of shape \(2, 3\) holds class indices, which must be int64, int32 or uint8, got torch.float32"),
     ("integer probabilities", lambda x, w, t, b: lce(x, w, torch.zeros(2, 3, 20, dtype=torch.long)),
      "floating point"),
     ("ignore_index with probabilities", lambda x, w, t, b: lce(x, w, torch.rand(2, 3, 20), ignore_index=-100),
@@ -303,8 +304,10 @@ def test_the_linear_weight_given_as_class_weights_says_it_is_linear_weight_now()
 
 
 def test_the_old_module_constructor_says_it_takes_torchs():
-    with pytest.raises(ValueError, match="takes torch 2.14's constructor"):
+    with pytest.raises(TypeError, match="takes torch 2.14's constructor"):  # torch's: a TypeError too
         losses.LinearCrossEntropyLoss(-100, "mean")  # the old (ignore_index, reduction)
+    with pytest.raises(RuntimeError, match="takes torch 2.14's constructor"):  # torch's: a negative size
+        losses.LinearCrossEntropyLoss(-100, 5)
 
 
 @pytest.mark.gpu
@@ -656,6 +659,63 @@ def test_the_module_matches_torchs(config):
         results.append([loss, *torch.autograd.grad(loss, [x, *module.linear.parameters()], torch.ones_like(loss))])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected)
+
+
+@needs_torchs
+@pytest.mark.parametrize("case,call", [
+    ("H differs", lambda m, x, w, t, b: m.linear_cross_entropy(x, w[:, :7], t)),
+    ("linear_weight 1-D", lambda m, x, w, t, b: m.linear_cross_entropy(x, w[0], t)),
+    ("K-dim linear_weight, (N, d, H) input", lambda m, x, w, t, b: m.linear_cross_entropy(
+        x[None], w.reshape(5, 4, 8), torch.zeros(1, 6, 4, dtype=torch.int64))),
+    ("class weights length", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, weight=torch.ones(19))),
+    ("class weights dtype", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, weight=torch.ones(20).double())),
+    ("linear_weight dtype", lambda m, x, w, t, b: m.linear_cross_entropy(x, w.double(), t)),
+    ("linear_bias dtype", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, linear_bias=b.double())),
+    ("linear_bias length", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, linear_bias=b[:5])),
+    ("target on another device", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t.to("meta"))),
+    ("class weights on another device", lambda m, x, w, t, b: m.linear_cross_entropy(
+        x, w, t, weight=torch.ones(20, device="meta"))),
+    ("linear_bias on another device", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, linear_bias=b.to("meta"))),
+    ("input on another device", lambda m, x, w, t, b: m.linear_cross_entropy(x.to("meta"), w, t)),
+    ("float class indices", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t.float())),
+    ("class indices of two dims", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t[:, None])),
+    ("class indices of another batch", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t[:5])),  # torch: ValueError
+    ("integer probabilities", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, torch.zeros(6, 20).long())),
+    ("ignore_index with probabilities", lambda m, x, w, t, b: m.linear_cross_entropy(
+        x, w, torch.rand(6, 20), ignore_index=-100)),
+    ("label_smoothing above 1", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, label_smoothing=1.5)),
+    ("reduction", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, reduction="batchmean")),  # torch: ValueError
+    ("class weights a list", lambda m, x, w, t, b: m.linear_cross_entropy(x, w, t, weight=[1.0] * 20)),
+    ("module, class weights length", lambda m, x, w, t, b: m.LinearCrossEntropyLoss(8, 20, weight=torch.ones(19))),
+    ("module, input width", lambda m, x, w, t, b: m.LinearCrossEntropyLoss(7, 20)(x, t)),
+    ("module, old constructor", lambda m, x, w, t, b: m.LinearCrossEntropyLoss(-100, "mean")),  # torch: TypeError
+    ("module, a negative size", lambda m, x, w, t, b: m.LinearCrossEntropyLoss(-100, 20)),
+])
+def test_bad_calls_raise_what_torch_raises(case, call):
+    """Code that catches torch's error for a bad call catches ours (torch's RuntimeErrors are
+    ArgumentErrors here, still ValueErrors too). Not here: a list for input, linear_weight, target or
+    linear_bias, on which torch's Python code raises AttributeError and ours TypeError (the test below)."""
+    x, w, b, t = torch.randn(6, 8), torch.randn(20, 8), torch.randn(20), torch.randint(0, 20, (6,))
+    torchs = types.SimpleNamespace(linear_cross_entropy=TORCH_LINEAR_CE,
+                                   LinearCrossEntropyLoss=torch.nn.LinearCrossEntropyLoss)
+    raises_as_torch(lambda: call(losses, x, w, t, b), lambda: call(torchs, x, w, t, b))
+
+
+@pytest.mark.parametrize("name", ["input", "linear_weight", "target", "linear_bias", "weight"])
+def test_a_non_tensor_gets_a_type_error_that_names_it(name):
+    x, w, t, b = make_inputs((6,), 8, 20, torch.float32, "cpu")
+    arguments = dict(input=x, linear_weight=w, target=t, linear_bias=b, weight=torch.ones(20))
+    arguments[name] = arguments[name].tolist()
+    with pytest.raises(TypeError, match=f"linear_cross_entropy: {name} must be a Tensor, got list"):
+        lce(**arguments)
+
+
+def test_an_argument_error_with_a_process_group_keeps_its_type():
+    """As cross_entropy's: vocab_parallel.raise_on_every_rank, without a group to tell, raises the
+    checks' error as it was."""
+    x, w, t, b = make_inputs((6,), 8, 20, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=r"weight \(class weights\) must have shape \(20,\)"):
+        lce(x, w, t, weight=torch.ones(19), process_group=object())
 
 
 @pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is None, reason="torch < 2.14: no LinearCrossEntropyOptions")

@@ -361,3 +361,20 @@ def test_split_compile_only_where_nvcc_has_it(tmp_path, help_text, flags):
     nvcc = fake_toolkit(tmp_path, "11.7") / "bin" / "nvcc"
     nvcc.write_text(f"#!/bin/sh\necho '{help_text}'\n")
     assert loader._nvcc_parallel_flags(tmp_path) == flags
+
+
+@pytest.mark.skipif(not torch.version.cuda, reason="a CPU-only torch looks for no CUDA toolkit")
+def test_no_missing_cuda_runtime_line_from_the_build_import(tmp_path):
+    """Without a GPU (CUDA_VISIBLE_DEVICES='' hides any) torch.utils.cpp_extension's import logs "No
+    CUDA runtime is found" where it finds a CUDA_HOME: torch's own import does (the control), the
+    loader's does not, and leaves the logger's other lines to it."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_HOME=str(tmp_path))
+
+    def stderr(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], cwd=Path(loader.__file__).parent, env=env,
+                              capture_output=True, text=True, check=True).stderr
+
+    assert "No CUDA runtime is found" in stderr("import torch.utils.cpp_extension")
+    assert "No CUDA runtime is found" not in stderr(
+        "import logging, loader\nloader._cpp_extension()\n"
+        "assert not logging.getLogger('torch.utils.cpp_extension').filters")

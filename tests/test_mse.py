@@ -1,10 +1,12 @@
 """mse_loss / MSELoss: CPU behaviour (CI) and the fused kernel against float64 (GPU)."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import losses
-from helpers import DTYPES, check_against_float64, check_special_values_match_torch
+from helpers import DTYPES, check_against_float64, check_special_values_match_torch, raises_as_torch
 
 REDUCTIONS = ["mean", "sum", "none"]
 
@@ -38,6 +40,31 @@ def test_bad_arguments_raise_clear_errors():
         losses.mse_loss(x, x, reduction="batchmean")
     with pytest.raises(ValueError, match="target is on meta"):
         losses.mse_loss(x, torch.empty(3, device="meta"))
+
+
+TORCH = types.SimpleNamespace(mse_loss=F.mse_loss, MSELoss=torch.nn.MSELoss)
+
+
+@pytest.mark.parametrize("case,call", [
+    ("target on another device", lambda m, x: m.mse_loss(x, x.to("meta"))),
+    ("input on another device", lambda m, x: m.mse_loss(x.to("meta"), x)),
+    ("shapes that do not broadcast", lambda m, x: m.mse_loss(x, x[:, :4])),
+    ("weight of another shape", lambda m, x: m.mse_loss(x, x, weight=torch.ones(4))),  # torch: ValueError
+    ("reduction", lambda m, x: m.mse_loss(x, x, reduction="batchmean")),  # torch: ValueError
+    ("module, reduction", lambda m, x: m.MSELoss(reduction="batchmean")(x, x)),
+])
+def test_bad_calls_raise_what_torch_raises(case, call):
+    x = torch.randn(6, 5)
+    raises_as_torch(lambda: call(losses, x), lambda: call(TORCH, x))
+
+
+@pytest.mark.parametrize("name", ["input", "target", "weight"])
+def test_a_non_tensor_gets_a_type_error_that_names_it(name):
+    """As torch's cross_entropy and kl_div do (its mse_loss, Python code, raises AttributeError)."""
+    arguments = dict(input=torch.randn(6, 5), target=torch.randn(6, 5), weight=torch.ones(6, 5))
+    arguments[name] = arguments[name].tolist()
+    with pytest.raises(TypeError, match=f"mse_loss: {name} must be a Tensor, got list"):
+        losses.mse_loss(**arguments)
 
 
 # ----------------------------------------------------------------------------------
