@@ -18,7 +18,7 @@ rank that reads them judges alike. An argument error, or ranks that disagree on 
 raise at once (their all-reduces could not match); a tiling that fails (overlap, gap, past the class limit)
 raises after the call's last all-reduce (raise_if_invalid: for linear_cross_entropy with gradients, in
 backward), so no peer is left waiting. On CPU the facts are host memory, read at every call: every rank
-raises the same ValueError, naming the faulty rank. On a GPU a read is a host sync: a rank reads them when
+raises the same ArgumentError (a ValueError and a RuntimeError), naming the faulty rank. On a GPU a read is a host sync: a rank reads them when
 it first sees its layout (group, first class, classes, dtype), and not after (CUDA graphs capture after a
 warm-up call). So where every rank is new to its layout, every rank raises; a layout new to one rank
 later raises there alone, and its peers, which read nothing, get NaN (the device's verdict,
@@ -65,7 +65,7 @@ def shard_start(group, local_classes: int, vocab_start: int | None) -> int:
 def check_group_device(group, logits: torch.Tensor) -> None:
     backend = str(dist.get_backend(group)).lower()
     if backend == "nccl" and not logits.is_cuda:
-        raise ValueError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
+        raise helpers.ArgumentError(f"process_group uses NCCL, which takes CUDA tensors; input is on {logits.device}")
 
 
 def check_arguments(facts) -> str | None:
@@ -143,7 +143,7 @@ def raise_on_every_rank(group, like, error: ValueError):
             shared = _share_facts(group, like, (0,) * _FACTS, str(error) or type(error).__name__)
         except Exception:
             raise error from None
-        raise ValueError(check_arguments(shared.tolist())) from error
+        raise helpers.ArgumentError(check_arguments(shared.tolist())) from error
     raise error
 
 
@@ -183,7 +183,7 @@ class Shards:
             facts = shared.tolist()
             error = check_arguments(facts) or check_agreement(facts)
             if error is not None:  # where every rank reads (CPU, or a first call everywhere), every rank raises
-                raise ValueError(error)
+                raise helpers.ArgumentError(error)
             self.error = check_tiling(facts)
             if self.error is None:
                 checked.add(layout)
@@ -210,7 +210,7 @@ class Shards:
         """Called after the call's last all-reduce (for linear_cross_entropy with gradients, backward's), so that
         a rank that raises leaves no peer waiting: the ranks that read the facts raise, the others have NaN."""
         if self.error is not None:
-            raise ValueError(self.error)
+            raise helpers.ArgumentError(self.error)
 
     def sum_over_group(self, tensor: torch.Tensor) -> None:
         """In place: the sum of `tensor` over the group (input's gradient, to which every rank's classes add)."""

@@ -442,8 +442,8 @@ def check_faults(rank, device, policies):
 
 
 def check_fault_reports(reports, world, backend):
-    """Each fault: every rank raised the same ValueError, naming the faulty rank, within FAULT_SECONDS;
-    every valid step returned. Prints what each rank saw."""
+    """Each fault: every rank raised the same ArgumentError (a ValueError and a RuntimeError), naming the
+    faulty rank, within FAULT_SECONDS; every valid step returned. Prints what each rank saw."""
     print(f"\n{backend}, {world} ranks:")
     for name, ranks in reports.items():
         fault = next((fault for fault in FAULTS if f": {fault}, " in name), None)
@@ -458,11 +458,11 @@ def check_fault_reports(reports, world, backend):
             continue
         faulty, _, says = FAULTS[fault]
         if name.startswith("first sight") and fault == SEEN_BY_THE_FAULTY_RANK_ON_A_GPU:
-            assert [outcome for outcome, _, _ in ranks] == ["ValueError" if rank == faulty(world) else "returned"
+            assert [outcome for outcome, _, _ in ranks] == ["ArgumentError" if rank == faulty(world) else "returned"
                                                             for rank in range(world)], f"{name}: {ranks}"
             texts = [ranks[faulty(world)][1]]
         else:
-            assert outcomes == ["ValueError"] and len(texts) == 1, f"{name}: not the same error on every rank: {ranks}"
+            assert outcomes == ["ArgumentError"] and len(texts) == 1, f"{name}: not the same error on every rank: {ranks}"
         assert f"rank {faulty(world)}" in texts[0] and re.search(says, texts[0]), f"{name}: {texts[0]}"
         assert all(seconds < FAULT_SECONDS for _, _, seconds in ranks), f"{name}: {ranks}"
 
