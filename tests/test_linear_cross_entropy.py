@@ -556,6 +556,22 @@ def test_the_fallback_divides_by_divisor():
     torch.testing.assert_close(lse, torch.logsumexp(F.linear(x, w, b), -1))
 
 
+@pytest.mark.parametrize("probabilities", [False, True], ids=["class weights", "probabilities"])
+def test_the_fallback_takes_softcap_and_divisor(probabilities):
+    """The logits whole (class weights; probabilities) against torch's formula on capped logits, the sum over
+    divisor, without return_lse. Fails if _logits_whole drops softcap=, or linear_cross_entropy drops divisor=
+    where return_lse is False."""
+    keywords = dict(reduction="sum", label_smoothing=0.1, weight=not probabilities)
+
+    def theirs(x, w, t, linear_bias, weight=None, **keywords):
+        logits = 3.0 * torch.tanh(F.linear(x, w, linear_bias) / 3.0)
+        return F.cross_entropy(logits, t, weight=weight, **keywords) / 7
+    check_against_float64(with_class_weights(lambda *args, **more: losses.linear_cross_entropy(
+                              *args, **more, softcap=3.0, divisor=7), keywords),
+                          with_class_weights(theirs, keywords), make_case((11,), 8, 5, torch.float64, probabilities),
+                          grad_of=(0, 1, 2, 3) if probabilities else (0, 1, 3))
+
+
 def test_the_fallback_returns_the_lse_in_targets_shape():
     x, w, t, b = make_case((2, 5), 8, 6, torch.float64, probabilities=True)
     loss, lse = losses.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none", return_lse=True)
