@@ -87,6 +87,8 @@ def check_case(index, rank, group, device):
     loss.backward(grad_output.to(loss.dtype))
     tolerance = TOLERANCE[logits.dtype]
     case = f"case {index}: {tuple(logits.shape)} {logits.dtype} shards {bounds} probabilities={probs} {options}"
+    # torch's and the unsharded loss's dtype (float32 where a mutant returned it for bfloat16 logits)
+    assert loss.dtype == logits.dtype, f"{case}: loss is {loss.dtype}"
     torch.testing.assert_close(loss.double(), truth.detach(), rtol=tolerance, atol=tolerance, equal_nan=True, msg=lambda m: f"{case}: loss: {m}")
     torch.testing.assert_close(lse.double(), truth_lse, rtol=tolerance, atol=tolerance, equal_nan=True, msg=lambda m: f"{case}: lse: {m}")
     scale = full.grad.abs().max().item()
@@ -137,6 +139,7 @@ def check_linear_case(index, rank, group, device):
     loss.backward(grad_output.to(loss.dtype))
     tolerance = TOLERANCE[dtype]
     case = f"linear case {index}: {rows}x{hidden}x{vocab} {dtype} shards {shard_bounds(vocab, equal)} {options}"
+    assert loss.dtype == dtype, f"{case}: loss is {loss.dtype}"
     torch.testing.assert_close(loss.double(), truth.detach(), rtol=tolerance, atol=tolerance, equal_nan=True,
                                msg=lambda m: f"{case}: loss: {m}")
     torch.testing.assert_close(lse.double(), truth_lse, rtol=tolerance, atol=tolerance, msg=lambda m: f"{case}: lse: {m}")
