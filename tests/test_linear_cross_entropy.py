@@ -160,6 +160,14 @@ def test_a_chunk_of_classes_all_minus_inf_keeps_the_gradients_finite(grad_of, sm
         assert rel_err(mine, exact) <= bound, f"grad of input {i}: {rel_err(mine, exact):.3g} > {bound:.3g}"
 
 
+@pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
+def test_label_smoothing_of_one_is_torchs(grad_of, small_chunks, monkeypatch):
+    """torch takes label_smoothing=1.0 (the uniform target alone), and so do we. Fails if
+    cross_entropy.check_smoothing_and_z_loss refuses 1.0 (< 1.0 for <= 1.0)."""
+    options = dict(reduction="mean", label_smoothing=1.0, z_loss=0.0, softcap=None)
+    check_schedule(options, make_inputs((2, 5), 16, 50, torch.float64, "cpu"), grad_of, monkeypatch)
+
+
 def test_a_second_backward_of_forward_written_gradients_raises():
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     loss = losses.linear_cross_entropy(x.requires_grad_(), w, t, linear_bias=b)
