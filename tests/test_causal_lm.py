@@ -8,6 +8,7 @@ and under FSDP2 on 2 CPU ranks (gloo); clear errors for what it cannot fuse. Ski
 transformers 4.48+ (model.loss_function, replaceable)."""
 import copy
 import inspect
+import types
 
 import pytest
 import torch
@@ -231,6 +232,32 @@ def test_return_dict_false_gives_the_tuple_without_logits():
     assert isinstance(ours, tuple) and len(ours) == len(theirs) - 1  # loss, cache: the logits left out
     assert rel_err(ours[0], theirs[0]) <= RTOL_FLOAT64_MODEL
     assert_same_outputs(ours[1:], theirs[2:])
+
+
+def test_a_call_without_return_dict_follows_the_configs():
+    """The helper that decides what a call gets back, alone (current transformers models fail in their own
+    forward with config.return_dict=False, fused or not): the call's return_dict, else the config's, else a
+    dict; the forward is asked for a dict either way. Fails if fuse_causal_lm_loss ignores config.return_dict."""
+    import causal_lm
+
+    def named(input_ids, labels=None, return_dict=None):  # each forward returns the return_dict it got
+        return return_dict
+
+    def keywords(input_ids, labels=None, **kwargs):
+        return kwargs.get("return_dict")
+
+    def neither(input_ids, labels=None):
+        return True  # nothing to ask for
+    for config in (types.SimpleNamespace(return_dict=False), types.SimpleNamespace(return_dict=True),
+                   types.SimpleNamespace()):
+        from_config = getattr(config, "return_dict", True)
+        for forward in (named, keywords, neither):
+            signature = inspect.signature(forward)
+            for asked in ((None, True, False) if forward is not neither else (None,)):
+                bound = signature.bind(1, labels=2, **({} if asked is None else {"return_dict": asked}))
+                wants = causal_lm._ask_for_a_dict(bound, signature, config)
+                assert wants is (from_config if asked is None else asked), (forward.__name__, config, asked)
+                assert forward(*bound.args, **bound.kwargs) is True, (forward.__name__, config, asked)
 
 
 def test_an_output_layer_with_bias():

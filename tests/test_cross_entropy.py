@@ -62,6 +62,19 @@ def test_cpu_weight_smoothing_and_probabilities_match_torch():
     torch.testing.assert_close(losses.cross_entropy(logits, soft_target), F.cross_entropy(logits, soft_target))
 
 
+@pytest.mark.parametrize("targets", ["indices", "probabilities"])
+def test_label_smoothing_of_one_is_torchs(targets, kernels_modelled_on_cpu):
+    """torch takes label_smoothing=1.0 (the uniform target alone), and so do we, through the fused path's
+    plumbing (the kernels' CPU models). Fails if check_smoothing_and_z_loss refuses 1.0 (< 1.0 for <= 1.0)."""
+    logits = torch.randn(6, 5, dtype=torch.float64)
+    target = class_targets(logits) if targets == "indices" else torch.randn(6, 5, dtype=torch.float64).softmax(-1)
+    check_against_float64(lambda x, y: losses.cross_entropy(x, y, label_smoothing=1.0),
+                          lambda x, y: F.cross_entropy(x, y, label_smoothing=1.0), [logits, target],
+                          grad_of=(0, 1) if targets == "probabilities" else (0,))
+    torch.testing.assert_close(losses.CrossEntropyLoss(label_smoothing=1.0)(logits, target),
+                               F.cross_entropy(logits, target, label_smoothing=1.0))
+
+
 def test_cpu_z_loss_and_lse_follow_their_definitions():
     """z_loss adds z * lse^2 per non-ignored row ('mean': over those rows); return_lse
     gives logsumexp over the classes. Worked out by hand on a 2-row example."""

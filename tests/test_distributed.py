@@ -87,6 +87,8 @@ def check_case(index, rank, group, device):
     loss.backward(grad_output.to(loss.dtype))
     tolerance = TOLERANCE[logits.dtype]
     case = f"case {index}: {tuple(logits.shape)} {logits.dtype} shards {bounds} probabilities={probs} {options}"
+    # torch's and the unsharded loss's dtype (float32 where a mutant returned it for bfloat16 logits)
+    assert loss.dtype == logits.dtype, f"{case}: loss is {loss.dtype}"
     torch.testing.assert_close(loss.double(), truth.detach(), rtol=tolerance, atol=tolerance, equal_nan=True, msg=lambda m: f"{case}: loss: {m}")
     torch.testing.assert_close(lse.double(), truth_lse, rtol=tolerance, atol=tolerance, equal_nan=True, msg=lambda m: f"{case}: lse: {m}")
     scale = full.grad.abs().max().item()
@@ -137,6 +139,7 @@ def check_linear_case(index, rank, group, device):
     loss.backward(grad_output.to(loss.dtype))
     tolerance = TOLERANCE[dtype]
     case = f"linear case {index}: {rows}x{hidden}x{vocab} {dtype} shards {shard_bounds(vocab, equal)} {options}"
+    assert loss.dtype == dtype, f"{case}: loss is {loss.dtype}"
     torch.testing.assert_close(loss.double(), truth.detach(), rtol=tolerance, atol=tolerance, equal_nan=True,
                                msg=lambda m: f"{case}: loss: {m}")
     torch.testing.assert_close(lse.double(), truth_lse, rtol=tolerance, atol=tolerance, msg=lambda m: f"{case}: lse: {m}")
@@ -210,6 +213,38 @@ def check_empty_shard(rank, group, device):
     for ours, theirs, part in ((mine[0], whole[0], slice(None)), (mine[1], whole[1], slice(0, width)),
                                (mine[2], whole[2], slice(0, width))):
         torch.testing.assert_close(ours.grad, theirs.grad[part], msg=lambda m: f"empty shard, linear: grad: {m}")
+
+
+# The layout checks alone, on the facts every rank reads (first class, classes, rows, input width, dtype code):
+# check_tiling's verdict and the device's (_layout_on_device, for the calls that read no facts) agree.
+F32, F64 = vocab_parallel._DTYPES.index(torch.float32), vocab_parallel._DTYPES.index(torch.float64)
+LIMIT = vocab_parallel.CLASS_ID_LIMIT
+# name: (each rank's (first class, classes), dtype code, the error's text or None for a valid layout, V)
+LAYOUTS = {
+    # An empty shard anywhere (the module's docstring): fails if check_tiling counts empty shards (width >= 0).
+    "rank 1 empty, past the end": ([(0, 12), (12, 0)], F32, None, 12),
+    "rank 1 empty, far past the end": ([(0, 12), (40, 0)], F32, None, 12),
+    "rank 1 empty, past 2^24": ([(0, 12), (LIMIT + 5, 0)], F32, None, 12),
+    "rank 1 empty, inside rank 0's": ([(0, 12), (5, 0)], F32, None, 12),
+    "rank 0 empty, at 0": ([(0, 0), (0, 12)], F32, None, 12),
+    "rank 1 of 3 empty, between": ([(0, 5), (9, 0), (5, 7)], F32, None, 12),
+    # The class limit, to the class: fails if a shard ending at 2^24 is refused (>= for >), or one past it taken.
+    "ending at 2^24": ([(0, LIMIT // 2), (LIMIT // 2, LIMIT // 2)], F32, None, LIMIT),
+    "ending at 2^24 + 1": ([(0, LIMIT // 2), (LIMIT // 2, LIMIT // 2 + 1)], F32, "past class 2", LIMIT + 1),
+    "ending at 2^24 + 1, float64": ([(0, LIMIT // 2), (LIMIT // 2, LIMIT // 2 + 1)], F64, None, LIMIT + 1),
+    "gap": ([(0, 5), (6, 6)], F32, "belong to no rank", 12),
+    "overlap": ([(0, 6), (5, 7)], F32, "the two overlap", 12),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_layout_is_judged_alike_by_the_facts_and_on_the_device(name):
+    shards, dtype, says, vocab = LAYOUTS[name]
+    facts = [[start, width, 4, 8, dtype] + [0] * vocab_parallel._MESSAGE_WORDS for start, width in shards]
+    error = vocab_parallel.check_tiling(facts)
+    assert (error is None) if says is None else (error is not None and re.search(says, error)), f"{name}: {error}"
+    on_device, valid = vocab_parallel._layout_on_device(torch.tensor(facts), vocab_parallel._DTYPES[dtype])
+    assert bool(valid) == (says is None) and on_device.item() == vocab, f"{name}: {on_device}, {valid}"
 
 
 def check_all(rank, device, cases):
