@@ -15,7 +15,7 @@ a fallback on a CUDA tensor raise instead (the GPU tests do, to prove the kernel
 
 A bad argument raises what torch's function raises for the same call: a TypeError naming a
 non-tensor; where torch raises RuntimeError (another device, a weight of the wrong length),
-loss_helpers.ArgumentError, a RuntimeError and a ValueError at once.
+ArgumentError (losses.ArgumentError), a RuntimeError and a ValueError at once.
 
 Each loss family lives in a module of its own, read top to bottom (user function, Module,
 autograd Functions, compile ops); this file only hands their names on:
@@ -33,6 +33,7 @@ if __package__:  # copied into a project as a package: from fused_losses import 
     from .cross_entropy import CrossEntropyLoss, cross_entropy
     from .kl_div import KLDivLoss, kl_div
     from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+    from .loss_helpers import ArgumentError
     from .mse import MSELoss, mse_loss
 else:  # a plain folder on sys.path, or a notebook's working directory: import losses
     import loader  # noqa: F401
@@ -40,7 +41,8 @@ else:  # a plain folder on sys.path, or a notebook's working directory: import l
     from cross_entropy import CrossEntropyLoss, cross_entropy
     from kl_div import KLDivLoss, kl_div
     from linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+    from loss_helpers import ArgumentError
     from mse import MSELoss, mse_loss
 
 __all__ = ["cross_entropy", "kl_div", "mse_loss", "linear_cross_entropy", "CrossEntropyLoss", "KLDivLoss", "MSELoss",
-           "LinearCrossEntropyLoss", "fuse_causal_lm_loss"]
+           "LinearCrossEntropyLoss", "fuse_causal_lm_loss", "ArgumentError"]
