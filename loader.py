@@ -20,11 +20,13 @@ leaves a marker, and a cached load is one file check and an import.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import io
 import logging
 import os
 import re
@@ -195,19 +197,27 @@ def cache_root() -> Path:
 
 def _cpp_extension():
     """torch.utils.cpp_extension, imported on first build only (it imports setuptools). Without a
-    GPU its import logs "No CUDA runtime is found, using CUDA_HOME=<its guess>": that line alone is
-    dropped, as a build for a named arch needs no GPU and find_cuda_home picks the toolkit."""
+    GPU its import says "No CUDA runtime is found, using CUDA_HOME=<its guess>" (a log record; a
+    print to stderr before torch 2.x's logging): that line alone is dropped, as a build for a named
+    arch needs no GPU and find_cuda_home picks the toolkit."""
     logger = logging.getLogger("torch.utils.cpp_extension")
     logger.addFilter(_drop_no_cuda_runtime)
+    printed = io.StringIO()
     try:
-        import torch.utils.cpp_extension as cpp_extension
+        with contextlib.redirect_stderr(printed):
+            import torch.utils.cpp_extension as cpp_extension
     finally:
         logger.removeFilter(_drop_no_cuda_runtime)
+        sys.stderr.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                 if not line.startswith(_NO_CUDA_RUNTIME)))
     return cpp_extension
 
 
+_NO_CUDA_RUNTIME = "No CUDA runtime is found"
+
+
 def _drop_no_cuda_runtime(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("No CUDA runtime is found")
+    return not record.getMessage().startswith(_NO_CUDA_RUNTIME)
 
 
 def _nvcc_parallel_flags(home: Path) -> list[str]:
