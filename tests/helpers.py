@@ -31,6 +31,17 @@ import losses
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
+
+def _cpu_float16_matmul() -> bool:
+    try:
+        torch.ones(1, 1, dtype=torch.float16) @ torch.ones(1, 1, dtype=torch.float16)
+        return True
+    except RuntimeError:  # torch 2.0's CPU addmm has no float16 kernel
+        return False
+
+
+CPU_FLOAT16_MATMUL = _cpu_float16_matmul()
+
 # Relative error ||ours - truth|| / ||truth|| that always passes. 2-byte dtypes: the unit
 # roundoff, what rounding the output alone costs. float32, float64: four of it, for sums of
 # many terms in a different order than torch's.
