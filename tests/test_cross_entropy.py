@@ -803,6 +803,23 @@ def test_softcap_on_cpu_matches_float64(options):
                           capped_reference(15.0, **options), [logits, class_targets(logits)], case=str(options))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softcap_through_the_fused_paths_plumbing_on_cpu(dtype, kernels_modelled_on_cpu):
+    """softcap where the kernels would run (choose_path's "row_passes": the row-pass engine, its torch
+    twin on CPU), as on CUDA: the capped loss, in input's dtype; with class weights, torch's ops."""
+    # Guards against mutants of cross_entropy's row_passes branch: softcap dropped, the loss returned as
+    # float32, class weights taken there (choose_path without its uses_kernels check: the weights dropped).
+    logits = (torch.randn(7, 40) * 20).to(dtype)
+    target = class_targets(logits)
+    assert cross_entropy.choose_path(logits, target, None, 15.0) == ("row_passes", None)
+    for options in SOFTCAP_OPTIONS:
+        check_against_float64(lambda x, t: losses.cross_entropy(x, t, softcap=15.0, **options),
+                              capped_reference(15.0, **options), [logits, target], case=str(options))
+    weight = torch.rand(40).add(0.5).to(dtype)
+    torch.testing.assert_close(losses.cross_entropy(logits, target, weight, softcap=15.0),
+                               F.cross_entropy(15.0 * torch.tanh(logits / 15.0), target, weight))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(64, 1000), (5, 128256), (3, 50257), (4, 6, 3)], ids=str)
 @pytest.mark.parametrize("options", SOFTCAP_OPTIONS, ids=str)

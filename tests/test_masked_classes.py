@@ -208,10 +208,38 @@ def masked_shard_case(rank, group, device, smoothing):
         assert torch.all(mine[2].grad[masked[start:end]] == 0)
 
 
+def fully_masked_row_case(rank, group, device):
+    """Two ranks, an ignored row every class of which is masked: its lse is -inf (torch.logsumexp's) and its
+    gradient 0 (the row passes' rule for an ignored row, kernel and twin: torch's is NaN, 0 times the row's
+    NaN softmax); the other rows' loss and gradient are torch's."""
+    torch.manual_seed(322)  # the same inputs on both ranks
+    rows, classes, cut = 5, 12, 5
+    logits = torch.randn(rows, classes, device=device)
+    logits[2] = -INF
+    t = torch.randint(0, classes, (rows,), device=device)
+    t[2] = -100
+    start, end = (0, cut) if rank == 0 else (cut, classes)
+    shard = logits[:, start:end].clone().requires_grad_()
+    loss, lse = losses.cross_entropy(shard, t, process_group=group, vocab_start=start, return_lse=True)
+    loss.backward()
+    kept = torch.arange(rows, device=device) != 2
+    whole = logits[kept].double().requires_grad_()
+    expected = F.cross_entropy(whole, t[kept])
+    expected.backward()
+    # Guards against Shards.combine without its -inf == -inf guard (exp(-inf - -inf): the row's lse NaN).
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits.double(), 1))
+    torch.testing.assert_close(loss.double(), expected)
+    # Guards against the twin's gradient without its ignored-row guard (row_scale 0: NaN, not 0).
+    assert torch.all(shard.grad[2] == 0), shard.grad[2]
+    torch.testing.assert_close(shard.grad[kept].double(), whole.grad[:, start:end])
+
+
 def check_masked_shards(rank, device, on):
-    """Both smoothings on this rank; `on` the tensors' device ('cuda': both ranks share one GPU)."""
+    """Both smoothings on this rank, then a fully masked row; `on` the tensors' device ('cuda': both ranks
+    share one GPU)."""
     for smoothing in SMOOTHING:
         masked_shard_case(rank, dist.group.WORLD, torch.device(on), smoothing)
+    fully_masked_row_case(rank, dist.group.WORLD, torch.device(on))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
