@@ -45,6 +45,16 @@ def strict_and_seeded(monkeypatch, request):
 
 
 @pytest.fixture
+def small_chunks(monkeypatch):
+    """linear_cross_entropy in chunks of 16 classes: 50 classes span four chunks, the last one 2 wide (the
+    kernels' unvectorized path); 3 rows a row chunk: 10 rows span four, the last one row."""
+    import linear_cross_entropy
+
+    monkeypatch.setattr(linear_cross_entropy, "chunk_width", lambda rows, vocab, element_size: 16)
+    monkeypatch.setattr(linear_cross_entropy, "row_chunk_rows", lambda vocab, element_size, summing=False: 3)
+
+
+@pytest.fixture
 def kernels_modelled_on_cpu(monkeypatch):
     """CPU tensors take the fused path, with the kernel ops replaced by the Python models
     in kernel_models.py, reached through the same loader call a CUDA tensor takes (and on

@@ -65,14 +65,6 @@ def make_inputs(shape, hidden, vocab, dtype, device, target_dtype=torch.int64):
     return [x, w, t, b]
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """16 classes a chunk: 50 classes span four chunks, the last one 2 wide (the kernels' unvectorized
-    path); 3 rows a row chunk: 10 rows span four, the last one row."""
-    monkeypatch.setattr(linear_cross_entropy, "chunk_width", lambda rows, vocab, element_size: 16)
-    monkeypatch.setattr(linear_cross_entropy, "row_chunk_rows", lambda vocab, element_size, summing=False: 3)
-
-
 # The gradients wanted pick the schedule (choose_schedule): for input's alone (a frozen head), or
 # with d weight in the accumulation type, the rows; a 2-byte d weight, or 'none' with d weight,
 # the rows then chunks of classes in backward.

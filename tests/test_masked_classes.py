@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cross_entropy
-import linear_cross_entropy
 import losses
 from helpers import CPU_FLOAT16_MATMUL, DTYPES, default_grad_output, loss_and_grads, run_on_ranks
 from test_cross_entropy import (FORCED, MANY_STREAMED_ROWS, SHAPES, SUM_ONLY_PATHS, WARP_ROWS_IN_REGISTERS,
@@ -77,13 +76,6 @@ def check_matches_torch(fused, reference, inputs, grad_of, zero_at=None, case=""
 
 # ----------------------------------------------------------------------------------
 # CPU (CI): linear_cross_entropy's schedules on the torch twin, softcap, class weights, a process group.
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """16 classes a chunk: 50 classes in four, the last two wholly masked; 3 rows a row chunk."""
-    monkeypatch.setattr(linear_cross_entropy, "chunk_width", lambda rows, vocab, element_size: 16)
-    monkeypatch.setattr(linear_cross_entropy, "row_chunk_rows", lambda vocab, element_size, summing=False: 3)
-
 
 # The gradients wanted and the dtype pick the schedule (choose_schedule): rows (float32 d weight, or
 # input's alone), rows then classes (a 2-byte d weight), classes (eval, float16).
