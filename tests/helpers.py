@@ -306,6 +306,13 @@ def class_weights(logits):
 # ----------------------------------------------------------------------------------
 # Process groups: a test body on every rank of one group, failures reported with the rank.
 
+def fsdp2_mesh(device: torch.device):
+    """A mesh of device's type over the group, for fully_shard: its default mesh is CUDA whenever a GPU
+    is present, even under gloo on CPU, where the ranks then crash (SIGSEGV, torch 2.11 on an H200)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
 def run_on_ranks(body, args, backend, store_path, world=2, timeout=600, step_timeout=None):
     """body(rank, device, *args) in `world` spawned processes of one torch.distributed group
     (gloo on CPU, NCCL on a GPU each); asserts every rank finished, else shows each rank's error.

@@ -18,7 +18,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers", minversion="4.48")
 
 import losses  # noqa: E402
-from helpers import run_on_ranks  # noqa: E402
+from helpers import fsdp2_mesh, run_on_ranks  # noqa: E402
 
 VOCAB, HIDDEN, BATCH, SEQUENCE = 97, 32, 2, 9
 DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -365,9 +365,10 @@ def train_under_fsdp2(rank, device):
         model = make_model("llama", torch.float32).to(device)
         if fuse:
             losses.fuse_causal_lm_loss(model)
+        mesh = fsdp2_mesh(device)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)  # the root holds lm_head: gathered for the model's forward, where the loss is
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root holds lm_head: gathered for the model's forward, where the loss is
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         data = torch.Generator().manual_seed(1 + rank)
         for _ in range(2):
@@ -380,7 +381,7 @@ def train_under_fsdp2(rank, device):
         weights.append(torch.cat([weight.full_tensor().detach().flatten() for weight in model.parameters()]))
     assert rel_err(*weights) <= RTOL_TRAINING, rel_err(*weights)
     model = make_model("llama", torch.float32).to(device)
-    fully_shard(model.lm_head)
+    fully_shard(model.lm_head, mesh=fsdp2_mesh(device))
     with pytest.raises(ValueError, match="fully_shard"):
         losses.fuse_causal_lm_loss(model)
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import losses
-from helpers import run_on_ranks
+from helpers import fsdp2_mesh, run_on_ranks
 
 try:
     import transformers
@@ -93,9 +93,10 @@ def wrap(model, layers, wrapper):
     if wrapper == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = fsdp2_mesh(next(model.parameters()).device)
         for layer in layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
