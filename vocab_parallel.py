@@ -18,12 +18,12 @@ rank that reads them judges alike. An argument error, or ranks that disagree on 
 raise at once (their all-reduces could not match); a tiling that fails (overlap, gap, past the class limit)
 raises after the call's last all-reduce (raise_if_invalid: for linear_cross_entropy with gradients, in
 backward), so no peer is left waiting. On CPU the facts are host memory, read at every call: every rank
-raises the same ArgumentError (a ValueError and a RuntimeError), naming the faulty rank. On a GPU a read
-is a host sync: a rank reads them when it first sees its layout (group, first class, classes, dtype), and
-not after (CUDA graphs capture after a warm-up call). So where every rank is new to its layout, every rank raises; a layout new to one rank
-later raises there alone, and its peers, which read nothing, get NaN (the device's verdict,
-_layout_on_device); an argument error there raises on that rank alone, and other rows or input width after
-a rank's first call go unseen: the peers wait in their next all-reduce.
+raises the same ArgumentError (a ValueError and a RuntimeError), naming the faulty rank. On a GPU a read is a
+host sync: a rank reads them when it first sees its layout (group, first class, classes, dtype), and not after
+(CUDA graphs capture after a warm-up call). So where every rank is new to its layout, every rank raises; a
+layout new to one rank later raises there alone, and its peers, which read nothing, get NaN (the device's
+verdict, _layout_on_device); an argument error there raises on that rank alone, and other rows or input width
+after a rank's first call go unseen: the peers wait in their next all-reduce.
 Class ids travel in the accumulation type: up to 2^24 classes for 2- and 4-byte logits.
 
 Every call takes the row-pass engine (row_passes.py) over the shard: its statistics, combined

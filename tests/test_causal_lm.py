@@ -359,13 +359,12 @@ def train_under_fsdp2(rank, device):
     """On each of 2 ranks: Llama fused and not, each decoder layer and the root under fully_shard, two
     AdamW steps on this rank's batches: the same weights. The output layer sharded on its own raises."""
     from torch.distributed.fsdp import fully_shard
-    weights = []
+    weights, mesh = [], fsdp2_mesh(device)
     for fuse in (True, False):
         torch.manual_seed(0)  # the same initial weights on every rank, fused or not
         model = make_model("llama", torch.float32).to(device)
         if fuse:
             losses.fuse_causal_lm_loss(model)
-        mesh = fsdp2_mesh(device)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)  # the root holds lm_head: gathered for the model's forward, where the loss is
@@ -381,7 +380,7 @@ def train_under_fsdp2(rank, device):
         weights.append(torch.cat([weight.full_tensor().detach().flatten() for weight in model.parameters()]))
     assert rel_err(*weights) <= RTOL_TRAINING, rel_err(*weights)
     model = make_model("llama", torch.float32).to(device)
-    fully_shard(model.lm_head, mesh=fsdp2_mesh(device))
+    fully_shard(model.lm_head, mesh=mesh)
     with pytest.raises(ValueError, match="fully_shard"):
         losses.fuse_causal_lm_loss(model)
 
