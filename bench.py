@@ -72,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -533,16 +534,17 @@ def timed_in_fresh_process(code: str, cache: str) -> float:
 
 
 def first_use_seconds() -> dict:
-    """{"first_call_s": {"loss dtype": s}, "build_all_s": s, "cached_load_s": s}: each loss's
-    first call in each of FIRST_USE_DTYPES into an empty cache of its own; `python loader.py
-    --arch <this GPU>` (every kernel and dtype) into another; then every build loaded from
-    there by a fresh process."""
+    """{"first_call_s": {"loss dtype": s}, "build_steps_s": {"loss dtype": ninja_step_seconds}, "build_all_s": s,
+    "cached_load_s": s}: each loss's first call in each of FIRST_USE_DTYPES into an empty cache of its
+    own; `python loader.py --arch <this GPU>` (every kernel and dtype) into another; then every build
+    loaded from there by a fresh process."""
     with tempfile.TemporaryDirectory(prefix="fused_losses_bench_") as root:
-        first_call = {}
+        first_call, build_steps = {}, {}
         for name in losses.loader.KERNELS:
             for dtype in FIRST_USE_DTYPES:
-                first_call[f"{name} {dtype}"] = timed_in_fresh_process(FIRST_CALL.format(calls=[(name, dtype)]),
-                                                                       os.path.join(root, f"{name}_{dtype}"))
+                cache = os.path.join(root, f"{name}_{dtype}")
+                first_call[f"{name} {dtype}"] = timed_in_fresh_process(FIRST_CALL.format(calls=[(name, dtype)]), cache)
+                build_steps[f"{name} {dtype}"] = ninja_step_seconds(cache)
         warm = os.path.join(root, "all")
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "loader.py", "--arch", losses.loader.device_arch()],
@@ -553,11 +555,29 @@ def first_use_seconds() -> dict:
         build_all = time.perf_counter() - started
         every_build = [(name, dtype) for name in losses.loader.KERNELS for dtype in losses.loader.DTYPES]
         cached = timed_in_fresh_process(CACHED_LOAD.format(calls=every_build), warm)
-        return {"first_call_s": first_call, "build_all_s": build_all, "cached_load_s": cached}
+        return {"first_call_s": first_call, "build_steps_s": build_steps, "build_all_s": build_all,
+                "cached_load_s": cached}
+
+
+def ninja_step_seconds(cache: str) -> dict:
+    """How long each step of the one build under `cache` took, from ninja's log: {"cuda.cu": s (nvcc),
+    "main.cpp": s (the host compiler: bindings and autograd node), "link": s}. The two compiles run
+    side by side: the longer one and the link are the build's critical path."""
+    steps = {}
+    for log in Path(cache).glob("fused_losses/*/.ninja_log"):
+        for line in log.read_text().splitlines()[1:]:
+            start_ms, end_ms, _, output = line.split("\t")[:4]
+            step = "cuda.cu" if output.endswith(".cuda.o") else "main.cpp" if output == "main.o" else "link"
+            steps[step] = (int(end_ms) - int(start_ms)) / 1000
+    return steps
 
 
 def print_first_use(first_use):
-    calls = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first_use["first_call_s"].items())
+    def steps(name):
+        parts = first_use.get("build_steps_s", {}).get(name)
+        return f" ({', '.join(f'{step} {s:.1f}' for step, s in parts.items())})" if parts else ""
+
+    calls = ", ".join(f"{name} {seconds:.1f} s{steps(name)}" for name, seconds in first_use["first_call_s"].items())
     print(f"First call, empty cache (builds the loss's kernel for this GPU and dtype): {calls}. "
           f"Every kernel and dtype at once (loader.py --arch): {first_use['build_all_s']:.1f} s. "
           f"Cached load of all {len(losses.loader.KERNELS) * len(losses.loader.DTYPES)} builds in a "
