@@ -574,7 +574,7 @@ def ninja_step_seconds(cache: str) -> dict:
 
 def print_first_use(first_use):
     def steps(name):
-        parts = first_use.get("build_steps_s", {}).get(name)
+        parts = first_use["build_steps_s"][name]  # empty where no ninja log was found
         return f" ({', '.join(f'{step} {s:.1f}' for step, s in parts.items())})" if parts else ""
 
     calls = ", ".join(f"{name} {seconds:.1f} s{steps(name)}" for name, seconds in first_use["first_call_s"].items())
