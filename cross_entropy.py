@@ -203,16 +203,16 @@ def check_smoothing_and_z_loss(label_smoothing: float, z_loss: float) -> None:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
 
 
-def choose_path(input, target, weight, softcap=None, process_group=None) -> tuple[str, str | None]:
+def choose_path(input, target, weight, softcap=None, process_group=None, temperature=1.0) -> tuple[str, str | None]:
     """The one choice among cross_entropy's paths (the module's docstring): (path, why the
     kernels do not take the call, for "torch"; else None)."""
     if process_group is not None:
         return "process_group", None
     why_not = _fusable(input, target, weight)
-    if why_not is None and softcap is not None:
+    if why_not is None and (softcap is not None or temperature != 1.0):
         if row_passes.uses_kernels(target, weight):
             return "row_passes", None
-        why_not = "softcap with class weights or probabilities (its kernels take class indices alone)"
+        why_not = "softcap or temperature with class weights or probabilities (their kernels take class indices alone)"
     return ("fused", None) if why_not is None else ("torch", why_not)
 
 
@@ -235,11 +235,13 @@ def _fusable(input, target, weight) -> str | None:
 
 
 def reference_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, return_lse,
-                            softcap=None):
-    """torch's F.cross_entropy, plus the z-loss, lse and softcap that the kernels add (their
-    definitions, in torch ops)."""
+                            softcap=None, temperature=1.0):
+    """torch's F.cross_entropy, plus the z-loss, lse, softcap and temperature that the kernels add
+    (their definitions, in torch ops)."""
     if softcap is not None:
         input = softcap * torch.tanh(input / softcap)
+    if temperature != 1.0:
+        input = input / temperature
     if target.dtype == torch.int32:  # the kernels take int32 class indices; torch's loss takes int64
         target = target.long()
     loss = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
@@ -263,7 +265,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
                   size_average=None, ignore_index: int = -100, reduce=None, reduction: str = "mean",
                   label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
                   return_lse: bool = False, inplace_backward: bool = False, process_group=None,
-                  vocab_start: int | None = None):
+                  vocab_start: int | None = None, temperature: float = 1.0):
     """F.cross_entropy(input, target, ...), fused, plus options of our own.
 
     Input (C), (N, C) or (N, C, d1, ...), classes in dim 1 as in torch. target: class
@@ -278,6 +280,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         and z-loss those of the capped logits. Class-index targets without weight run two
         passes over the logits (the row-pass engine: stats, then the gradient in
         backward); with weight or probabilities, torch ops. Not with inplace_backward.
+    temperature: the logits (capped where softcap is given) are divided by it, a float > 0;
+        the loss, lse, z-loss and smoothing are those of the divided logits, and the gradient
+        carries 1 / temperature. Other than 1.0: the row-pass engine, as softcap.
     return_lse: also return the per-row lse, float32 (float64 for float64 input), in
         target's shape for class indices: (loss, lse). It carries no gradient.
     inplace_backward: with grad and a scalar reduction, the gradient is written over
@@ -298,21 +303,24 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         helpers.check_tensors("cross_entropy", input, target, weight)
         _check_arguments(input, target, weight, ignore_index, label_smoothing, z_loss)
         check_softcap(softcap)
+        check_temperature(temperature)
         if inplace_backward:
-            if process_group is not None or softcap is not None:
-                raise ValueError("inplace_backward is not supported with process_group or softcap")
+            if process_group is not None or softcap is not None or temperature != 1.0:
+                raise ValueError("inplace_backward is not supported with process_group, softcap or temperature")
             _check_inplace_backward(input, reduction)
-        if process_group is not None and softcap is not None and not row_passes.uses_kernels(target, weight):
-            raise ValueError("cross_entropy: softcap with process_group takes class-index targets without weight")
+        if (process_group is not None and (softcap is not None or temperature != 1.0)
+                and not row_passes.uses_kernels(target, weight)):
+            raise ValueError("cross_entropy: softcap or temperature with process_group takes class-index targets "
+                             "without weight")
     except ValueError as error:  # with process_group: raised on every rank
         vocab_parallel.raise_on_every_rank(process_group, input, error)
     user_operands = (input, target)
     (input, target, weight), float_loss = helpers.autocast_operands(reduction, input, target, weight)
-    path, why_not = choose_path(input, target, weight, softcap, process_group)
+    path, why_not = choose_path(input, target, weight, softcap, process_group, temperature)
     if path == "torch":
         helpers.check_fallback_allowed("cross_entropy", why_not, input)
         return reference_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                       return_lse, softcap)
+                                       return_lse, softcap, float(temperature))
     if path == "process_group" and input.is_cuda and not row_passes.uses_kernels(target, weight):
         helpers.check_fallback_allowed("cross_entropy", "process_group with class weights or probabilities runs "
                                        "torch ops", input)
@@ -324,11 +332,12 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
     if path == "process_group":
         loss, lse = vocab_parallel.cross_entropy_rows(logits, rows_target, weight, *arguments, softcap, process_group,
-                                                      vocab_start)
+                                                      vocab_start, float(temperature))
     elif path == "row_passes":
         loss, lse = row_passes.RowPassCrossEntropy.apply(
             logits.contiguous(), rows_target.contiguous(), None,
-            (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap), reduction, None))
+            (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, None,
+             float(temperature)))
         # Cast outside the Function: see linear_cross_entropy.LinearCrossEntropyFunction.
         loss = loss.to(torch.float32 if float_loss else input.dtype)
     elif helpers.use_python_function(want_grads, reduction):
@@ -367,22 +376,75 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     return (loss, lse.reshape(row_shape)) if return_lse else loss
 
 
+def check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+
+
+def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, softcap: float = 0.0,
+              ignore_index: int = -100, return_entropy: bool = False, process_group=None,
+              vocab_start: int | None = None):
+    """log p(target) of each row of logits (..., C), classes last, at a temperature: with
+    u = softcap(logits) / temperature, u_t - logsumexp(u), in target's shape (...), float32
+    (float64 for float64 logits); 0 where target == ignore_index, NaN for a class outside [0, C).
+    For RL post-training (GRPO, PPO): the sampled tokens' log-probabilities without a
+    log_softmax of the whole logits.
+
+    return_entropy: also the softmax's entropy of each row, log sum exp(u - max) -
+        sum_c p_c (u_c - max) (relative to the row's max: no cancellation on a peaked row),
+        same shape and dtype, 0 at ignored rows: (log_probs, entropy). Both are
+        differentiable; the entropy's gradient is p_c (sum_k p_k u_k - u_c) / temperature.
+    softcap: 0 (none) or > 0: softcap * tanh(logits / softcap) before the temperature.
+    process_group, vocab_start: logits hold this rank's shard of the classes, as in
+        cross_entropy; target holds global class ids.
+    Runs the row-pass engine (two passes over the logits, no (rows, C) float32 copy)."""
+    try:
+        helpers.check_tensors("log_probs", logits, target)
+        check_temperature(temperature)
+        if softcap is None:
+            softcap = 0.0
+        if softcap != 0.0:
+            check_softcap(softcap)
+        if logits.dim() < 1 or not logits.is_floating_point():
+            raise helpers.ArgumentError(f"log_probs: logits must be floating point with classes in the last dim, "
+                                        f"got {logits.dtype} of shape {tuple(logits.shape)}")
+        if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
+            raise helpers.ArgumentError(f"log_probs: target must hold class indices, int64 or int32, got {target.dtype}")
+        if target.shape != logits.shape[:-1]:
+            raise helpers.ArgumentError(f"log_probs: target's shape {tuple(target.shape)} must be logits' without "
+                                        f"its last dim, {tuple(logits.shape[:-1])}")
+    except ValueError as error:  # with process_group: raised on every rank
+        vocab_parallel.raise_on_every_rank(process_group, logits, error)
+    rows = logits.reshape(-1, logits.shape[-1]).contiguous()
+    rows_target = target.reshape(-1).contiguous()
+    shards = None if process_group is None else vocab_parallel.Shards(process_group, rows.shape[1], vocab_start, rows)
+    values, entropy = row_passes.RowPassLogProbs.apply(
+        rows, rows_target, (int(ignore_index), float(softcap), float(temperature), bool(return_entropy), shards))
+    if shards is not None:
+        shards.raise_if_invalid()
+    values = values.reshape(target.shape)
+    return (values, entropy.reshape(target.shape)) if return_entropy else values
+
+
 class CrossEntropyLoss(nn.CrossEntropyLoss):
     """nn.CrossEntropyLoss on the fused kernel; takes cross_entropy's z_loss, softcap,
-    return_lse, inplace_backward, process_group and vocab_start as keyword arguments too."""
+    return_lse, inplace_backward, process_group, vocab_start and temperature as keyword
+    arguments too."""
 
     def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
                  reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
                  softcap: float | None = None, return_lse: bool = False, inplace_backward: bool = False,
-                 process_group=None, vocab_start: int | None = None) -> None:
+                 process_group=None, vocab_start: int | None = None, temperature: float = 1.0) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        check_temperature(temperature)
         self.z_loss, self.softcap, self.return_lse, self.inplace_backward = z_loss, softcap, return_lse, inplace_backward
-        self.process_group, self.vocab_start = process_group, vocab_start
+        self.process_group, self.vocab_start, self.temperature = process_group, vocab_start, temperature
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
                              reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
                              softcap=self.softcap, return_lse=self.return_lse, inplace_backward=self.inplace_backward,
-                             process_group=self.process_group, vocab_start=self.vocab_start)
+                             process_group=self.process_group, vocab_start=self.vocab_start,
+                             temperature=self.temperature)
 
 

@@ -143,20 +143,23 @@ def _counts(target, ignore_index: int, divisor):
     return (target != ignore_index).sum() if divisor is None else divisor
 
 
-def fold_linear(x, weight, bias, target, start: int, softcap: float):
+def fold_linear(x, weight, bias, target, start: int, softcap: float, temperature: float = 1.0,
+                stat_rows: int = row_passes.STAT_ROWS):
     """The statistics of F.linear(x, weight, bias)'s rows, classes [start, start + V) of weight's V
     rows (start > 0: a shard of a larger vocabulary), a chunk of classes at a time."""
     rows, local = x.shape[0], weight.shape[0]
-    stats = row_passes.new_stats(rows, x.dtype, x.device)
+    stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
     for first, w, b in _chunks(weight, bias, chunk_width(rows, local, x.element_size())):
-        row_passes.fold_stats(F.linear(x, w, b), target, start + first, start + local, stats, softcap)
+        row_passes.fold_stats(F.linear(x, w, b), target, start + first, start + local, stats, softcap,
+                              temperature=temperature)
     return stats
 
 
 def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats, row_scale,
-                     label_smoothing: float, z_loss: float, softcap: float, wants):
+                     label_smoothing: float, z_loss: float, softcap: float, wants, temperature: float = 1.0,
+                     entropy_scale=None):
     """The gradients of input (in the accumulation type), weight and bias (in the operands'
-    dtype; None where wants says no), the logits recomputed a chunk of classes at a time; classes
+    dtype; None where wants says no), the logits recomputed a chunk of classes at a time; the rest
     as write_gradient's."""
     acc = softmax_stats.dtype
     local = weight.shape[0]
@@ -166,7 +169,7 @@ def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats
     for first, w, b in _chunks(weight, bias, chunk_width(x.shape[0], local, x.element_size())):
         g = F.linear(x, w, b)
         row_passes.write_gradient(g, g, target, start + first, classes, softmax_stats, row_scale, label_smoothing,
-                                  z_loss, softcap)  # in place
+                                  z_loss, softcap, temperature, entropy_scale)  # in place
         end = first + g.shape[1]
         if wants[0]:
             _add_matmul_(grad_x, g, w)
@@ -669,6 +672,83 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return (loss, lse.reshape(target.shape)) if return_lse else loss
+
+
+class LinearLogProbsFunction(torch.autograd.Function):
+    """log p of each row's target (and with return_entropy the softmax's entropy) of F.linear(x,
+    weight, bias) at a temperature, a chunk of classes at a time: the statistics in forward, the
+    logits recomputed in backward for the gradients of both (per-row weights are known only
+    there). options: (ignore_index, softcap or 0, temperature, return_entropy, shards, wants).
+    Returns row_passes.log_prob_outputs' (log_probs, entropy), in the accumulation type."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, options):
+        ignore_index, softcap, temperature, return_entropy, shards, wants = options
+        stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap, temperature,
+                            row_passes.ENTROPY_STAT_ROWS if return_entropy else row_passes.STAT_ROWS)
+        stats, classes = row_passes.combine(stats, weight.shape[0], shards)
+        log_probs, entropy, softmax_stats = row_passes.log_prob_outputs(stats, target, ignore_index, classes,
+                                                                        return_entropy)
+        ctx.options = options
+        row_passes.save_for_backward(ctx, (x, weight, bias, target, softmax_stats), classes)
+        if not return_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None
+        ignore_index, softcap, temperature, _, shards, wants = ctx.options
+        helpers.no_second_derivative("linear_log_probs")
+        x, weight, bias, target, softmax_stats, classes = row_passes.saved_tensors(ctx)
+        row_scale, entropy_scale = row_passes.log_prob_scales(grad_log_probs, grad_entropy, target, ignore_index,
+                                                              classes, softmax_stats)
+        grad_x, grad_w, grad_b = linear_gradients(x, weight, bias, target, 0 if shards is None else shards.start,
+                                                  classes, softmax_stats, row_scale, 0.0, 0.0, softcap, wants,
+                                                  temperature, entropy_scale)
+        if grad_x is not None and shards is not None:
+            shards.sum_over_group(grad_x)  # every rank's classes add to it
+        if shards is not None:
+            shards.raise_if_invalid()
+        return (None if grad_x is None else grad_x.to(x.dtype), grad_w,
+                None if grad_b is None else grad_b.to(bias.dtype), None, None)
+
+
+def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                     linear_bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float = 0.0,
+                     ignore_index: int = -100, return_entropy: bool = False, process_group=None,
+                     vocab_start: int | None = None):
+    """log p(target) of each row of F.linear(input, linear_weight, linear_bias) at a temperature,
+    without the logits in memory: as losses.log_probs of those logits (its semantics, outputs and
+    dtypes), a chunk of classes at a time. input (..., H), linear_weight (C, H), linear_bias (C,),
+    target (...) class indices (int64 or int32). process_group and vocab_start as in
+    linear_cross_entropy: linear_weight and linear_bias hold this rank's shard of the classes;
+    input's gradient is summed over the group."""
+    try:
+        _check_arguments(input, linear_weight, target, linear_bias, None, "none", ignore_index, 0.0, 0.0,
+                         softcap or None)
+        ce.check_temperature(temperature)
+        if linear_weight.dim() != 2:
+            raise helpers.ArgumentError(f"linear_log_probs: linear_weight must be (C, H), got "
+                                        f"{tuple(linear_weight.shape)}")
+        if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
+            raise helpers.ArgumentError(f"linear_log_probs: target must hold class indices, int64 or int32, got "
+                                        f"{target.dtype}")
+    except ValueError as error:  # with process_group: raised on every rank
+        vocab_parallel.raise_on_every_rank(process_group, input, error)
+    weight, bias = linear_weight, linear_bias  # the engine's names: weight is the linear layer's
+    rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
+    shards = (None if process_group is None else
+              vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows, rows.shape[1]))
+    wants = tuple(helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias))
+    values, entropy = LinearLogProbsFunction.apply(rows, weight, bias, rows_target, (
+        int(ignore_index), float(softcap or 0.0), float(temperature), bool(return_entropy), shards, wants))
+    if shards is not None and not any(wants):  # else backward raises, after its all-reduce
+        shards.raise_if_invalid()
+    values = values.reshape(target.shape)
+    return (values, entropy.reshape(target.shape)) if return_entropy else values
 
 
 class LinearCrossEntropyLoss(_WeightedLoss):

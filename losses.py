@@ -30,19 +30,20 @@ from __future__ import annotations
 if __package__:  # copied into a project as a package: from fused_losses import losses
     from . import loader  # noqa: F401  (losses.loader: the notebook's reload)
     from .causal_lm import fuse_causal_lm_loss
-    from .cross_entropy import CrossEntropyLoss, cross_entropy
+    from .cross_entropy import CrossEntropyLoss, cross_entropy, log_probs
     from .kl_div import KLDivLoss, kl_div
-    from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+    from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy, linear_log_probs
     from .loss_helpers import ArgumentError
     from .mse import MSELoss, mse_loss
 else:  # a plain folder on sys.path, or a notebook's working directory: import losses
     import loader  # noqa: F401
     from causal_lm import fuse_causal_lm_loss
-    from cross_entropy import CrossEntropyLoss, cross_entropy
+    from cross_entropy import CrossEntropyLoss, cross_entropy, log_probs
     from kl_div import KLDivLoss, kl_div
-    from linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+    from linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy, linear_log_probs
     from loss_helpers import ArgumentError
     from mse import MSELoss, mse_loss
 
 __all__ = ["cross_entropy", "kl_div", "mse_loss", "linear_cross_entropy", "CrossEntropyLoss", "KLDivLoss", "MSELoss",
-           "LinearCrossEntropyLoss", "fuse_causal_lm_loss", "ArgumentError"]
+           "LinearCrossEntropyLoss", "fuse_causal_lm_loss", "ArgumentError", "log_probs",
+           "linear_log_probs"]

@@ -24,6 +24,7 @@ else:
 _COMPILE_LIBRARY = helpers.define_compile_ops("row_passes", {"forward": helpers.no_outputs_fake,
                                                              "backward": helpers.no_outputs_fake})
 STAT_ROWS = 5  # max, sum of exp, target logit, logit sum, sum of exp over the other classes
+ENTROPY_STAT_ROWS = 6  # and sum_c exp(u_c - max) (u_c - max), the entropy's (log_probs with return_entropy)
 WEIGHTED_STAT_ROWS = 7  # the torch twin's, for class weights or probabilities (the rows: above _weighted_targets)
 
 
@@ -39,15 +40,16 @@ def new_stats(rows: int, dtype: torch.dtype, device, stat_rows: int = STAT_ROWS)
     return stats
 
 
-def fold_stats(z, target, start: int, classes: int, stats, softcap: float, weight=None) -> None:
+def fold_stats(z, target, start: int, classes: int, stats, softcap: float, weight=None, temperature: float = 1.0) -> None:
     """Folds z (rows, width), classes [start, start + width) of `classes`, into stats (their
-    weighted rows where stats has WEIGHTED_STAT_ROWS, with weight (width,) or None)."""
+    weighted rows where stats has WEIGHTED_STAT_ROWS, with weight (width,) or None; the entropy's
+    too where it has ENTROPY_STAT_ROWS). The logits enter as u = softcap(z) / temperature."""
     if z.shape[1] == 0:  # an empty shard of the classes adds nothing
         return
-    if z.is_cuda and len(stats) == STAT_ROWS:
+    if z.is_cuda and len(stats) == STAT_ROWS and temperature == 1.0:
         helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap)
     else:
-        _stats_torch(z, target, start, stats, softcap, weight)
+        _stats_torch(z, target, start, stats, softcap, weight, temperature)
 
 
 def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: float, z_loss: float):
@@ -67,8 +69,23 @@ def finish_loss(stats, target, ignore_index: int, classes, label_smoothing: floa
 
 
 def softmax_stats_of(stats):
-    """finish_loss's softmax_stats (3, rows) alone, from complete statistics."""
-    return torch.stack([stats[0], torch.log(stats[1]), -stats[4] / stats[1]])
+    """finish_loss's softmax_stats (3, rows) alone, from complete statistics; with the entropy's
+    (ENTROPY_STAT_ROWS) a fourth row, sum_c p_c (u_c - max), the softmax's mean logit less the max."""
+    rows = [stats[0], torch.log(stats[1]), -stats[4] / stats[1]]
+    if len(stats) == ENTROPY_STAT_ROWS:
+        rows.append(stats[5] / stats[1])
+    return torch.stack(rows)
+
+
+def entropy_of(softmax_stats):
+    """Each row's softmax entropy, log(sum exp) - sum_c p_c (u_c - max): kept relative to the max,
+    never sum_c p_c u_c, which cancels on a peaked row."""
+    return softmax_stats[1] - softmax_stats[3]
+
+
+def log_probs_of(stats, softmax_stats):
+    """Each row's log p of its target, u_t - lse, exact on a confident row (_target_nll)."""
+    return -_target_nll(stats, lse_of(softmax_stats))
 
 
 def _target_nll(stats, lse):
@@ -114,14 +131,16 @@ def row_scales(grad_output, target, count, ignore_index: int, classes, reduction
 
 
 def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scale, label_smoothing: float,
-                   z_loss: float, softcap: float) -> None:
+                   z_loss: float, softcap: float, temperature: float = 1.0, entropy_scale=None) -> None:
     """Writes the gradient of z's chunk into grad (z's shape and dtype; may be z itself), given
     finish_loss's softmax_stats. classes: an int, or a 0-dim tensor of softmax_stats' dtype where only
-    the device knows it."""
+    the device knows it. entropy_scale (rows) or None: each row's factor on the gradient of its
+    entropy (entropy_of), added; softmax_stats then has the entropy's row."""
     if z.shape[1] == 0:  # an empty shard: no gradient to write
         return
-    if not z.is_cuda:
-        _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
+    if not z.is_cuda or temperature != 1.0 or entropy_scale is not None:
+        _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
+                        temperature, entropy_scale)
         return
     ops = helpers.kernel_ops("row_passes", z)
     if isinstance(classes, torch.Tensor):
@@ -158,17 +177,18 @@ class RowPassCrossEntropy(torch.autograd.Function):
     """Cross-entropy of whole (rows, C) logits, classes [start, start + C): the statistics, then
     the gradient in backward from the saved logits and statistics. target: class indices, or (rows, C)
     probabilities; weight: (C,) or None. options: (ignore_index, label_smoothing, z_loss, softcap
-    or 0 (class indices without weight only), reduction, shards), shards a vocab_parallel.Shards
-    (the logits are this rank's shard) or None. Returns (loss, lse) in the accumulation type."""
+    or 0, reduction, shards, temperature; softcap and temperature other than 1 for class indices
+    without weight only), shards a vocab_parallel.Shards (the logits are this rank's shard) or
+    None. Returns (loss, lse) in the accumulation type."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, options):
-        ignore_index, label_smoothing, z_loss, softcap, reduction, shards = options
+        ignore_index, label_smoothing, z_loss, softcap, reduction, shards, temperature = options
         start = 0 if shards is None else shards.start
         ctx.weighted = not uses_kernels(target, weight)  # class weights or probabilities: the torch twin's rows
         stats = new_stats(logits.shape[0], logits.dtype, logits.device,
                           WEIGHTED_STAT_ROWS if ctx.weighted else STAT_ROWS)
-        fold_stats(logits, target, start, start + logits.shape[1], stats, softcap, weight)
+        fold_stats(logits, target, start, start + logits.shape[1], stats, softcap, weight, temperature)
         stats, classes = combine(stats, logits.shape[1], shards)
         ctx.options = options
         if not ctx.weighted:
@@ -183,8 +203,8 @@ class RowPassCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output, _):
         if grad_output is None:
             return None, None, None, None
-        ignore_index, label_smoothing, z_loss, softcap, reduction, shards = ctx.options
-        helpers.no_second_derivative("cross_entropy with " + ("process_group" if shards else "softcap"))
+        ignore_index, label_smoothing, z_loss, softcap, reduction, shards, temperature = ctx.options
+        helpers.no_second_derivative("cross_entropy with " + ("process_group" if shards else "softcap or temperature"))
         start = 0 if shards is None else shards.start
         if ctx.weighted:
             logits, target, weight, stats, *divisors, classes = saved_tensors(ctx)
@@ -197,8 +217,73 @@ class RowPassCrossEntropy(torch.autograd.Function):
         row_scale = row_scales(grad_output, target, count, ignore_index, classes, reduction, softmax_stats.dtype)
         grad = torch.empty_like(logits)
         write_gradient(logits, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss,
-                       softcap)
+                       softcap, temperature)
         return grad, None, None, None
+
+
+def log_prob_outputs(stats, target, ignore_index: int, classes, return_entropy: bool):
+    """(log_probs, entropy, softmax_stats) from complete statistics (entropy's rows with
+    return_entropy, else entropy empty): per row, 0 at an ignored row, NaN at a class outside [0, V)."""
+    softmax_stats = softmax_stats_of(stats)
+    counted, invalid = _row_counts(target, ignore_index, classes)
+
+    def per_row(values):
+        return torch.where(invalid, torch.nan, torch.where(counted, values, 0.0))
+
+    log_probs = per_row(log_probs_of(stats, softmax_stats))
+    entropy = per_row(entropy_of(softmax_stats)) if return_entropy else log_probs.new_empty(0)
+    return log_probs, entropy, softmax_stats
+
+
+def log_prob_scales(grad_log_probs, grad_entropy, target, ignore_index: int, classes, softmax_stats):
+    """write_gradient's (row_scale, entropy_scale) for the gradients of log_prob_outputs' outputs
+    (either None): d log p_t / du = [c == t] - p is cross-entropy's gradient with its scale negated."""
+    counted, invalid = _row_counts(target, ignore_index, classes)
+
+    def row_factor(grad):  # 0 at an ignored row, NaN at a class outside [0, V)
+        return torch.where(invalid, torch.nan, torch.where(counted, grad.to(softmax_stats.dtype), 0.0))
+
+    row_scale = (-row_factor(grad_log_probs) if grad_log_probs is not None
+                 else torch.zeros(target.shape[0], dtype=softmax_stats.dtype, device=target.device))
+    return row_scale.contiguous(), None if grad_entropy is None else row_factor(grad_entropy)
+
+
+class RowPassLogProbs(torch.autograd.Function):
+    """log p of each row's target class (and with return_entropy the softmax's entropy) of whole
+    (rows, C) logits at a temperature, classes [start, start + C): the statistics, then in backward
+    the gradient of both from the saved logits and statistics. options: (ignore_index, softcap or
+    0, temperature, return_entropy, shards) as RowPassCrossEntropy's. Returns log_prob_outputs'
+    (log_probs, entropy), each (rows,) in the accumulation type."""
+
+    @staticmethod
+    def forward(ctx, logits, target, options):
+        ignore_index, softcap, temperature, return_entropy, shards = options
+        start = 0 if shards is None else shards.start
+        stats = new_stats(logits.shape[0], logits.dtype, logits.device,
+                          ENTROPY_STAT_ROWS if return_entropy else STAT_ROWS)
+        fold_stats(logits, target, start, start + logits.shape[1], stats, softcap, temperature=temperature)
+        stats, classes = combine(stats, logits.shape[1], shards)
+        log_probs, entropy, softmax_stats = log_prob_outputs(stats, target, ignore_index, classes, return_entropy)
+        ctx.options = options
+        save_for_backward(ctx, (logits, target, softmax_stats), classes)
+        if not return_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None
+        ignore_index, softcap, temperature, _, shards = ctx.options
+        helpers.no_second_derivative("log_probs")
+        logits, target, softmax_stats, classes = saved_tensors(ctx)
+        row_scale, entropy_scale = log_prob_scales(grad_log_probs, grad_entropy, target, ignore_index, classes,
+                                                   softmax_stats)
+        grad = torch.empty_like(logits)
+        write_gradient(logits, grad, target, 0 if shards is None else shards.start, classes, softmax_stats, row_scale,
+                       0.0, 0.0, softcap, temperature, entropy_scale)
+        return grad, None, None
 
 
 def _row_counts(target, ignore_index, classes):
@@ -217,20 +302,33 @@ def _capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(z / softcap).mul_(softcap) if softcap else z
 
 
+def _scaled(z: torch.Tensor, softcap: float, temperature: float) -> torch.Tensor:
+    """u = softcap(z) / temperature; at temperature 1, softcap(z) itself (today's bits)."""
+    capped = _capped(z, softcap)
+    return capped / temperature if temperature != 1.0 else capped
+
+
 def _target_slot(target, start: int, width: int):
     """Whether each row's class falls in [start, start + width), and its column there (clamped), (rows, 1)."""
     index = target - start
     return (index >= 0) & (index < width), index.clamp(0, width - 1).long()[:, None]
 
 
-def _stats_torch(z, target, start, stats, softcap, weight):
-    z = _capped(z.to(stats.dtype), softcap)
+def _stats_torch(z, target, start, stats, softcap, weight, temperature=1.0):
+    z = _scaled(z.to(stats.dtype), softcap, temperature)
     run_max = stats[0]
     chunk_max = z.amax(1)
     e = torch.where(chunk_max[:, None] == -torch.inf, 0.0, torch.exp(z - chunk_max[:, None]))
     new_max = torch.maximum(run_max, chunk_max)
     old_scale = torch.where(run_max == new_max, 1.0, torch.exp(run_max - new_max))
     new_scale = torch.where(chunk_max == new_max, 1.0, torch.exp(chunk_max - new_max))
+    if len(stats) == ENTROPY_STAT_ROWS:
+        # sum e (u - max) at the new max: each part's own sum plus (its max - the new max) times its exp sum
+        # (a part with no class yet, exp sum 0 and max -inf, adds 0; a masked class's e is 0, not 0 * -inf)
+        chunk_sum = torch.where(e == 0, 0.0, e * (z - chunk_max[:, None])).sum(1)
+        moved = torch.where(stats[1] == 0, 0.0, (run_max - new_max) * stats[1])
+        chunk_moved = torch.where(chunk_max == -torch.inf, 0.0, (chunk_max - new_max) * e.sum(1))
+        stats[5] = (stats[5] + moved) * old_scale + (chunk_sum + chunk_moved) * new_scale
     stats[1] = stats[1] * old_scale + e.sum(1) * new_scale
     stats[0] = new_max
     if len(stats) == WEIGHTED_STAT_ROWS:
@@ -250,8 +348,9 @@ def _stats_torch(z, target, start, stats, softcap, weight):
     stats[3] += z.sum(1)
 
 
-def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap):
-    capped = _capped(z.to(softmax_stats.dtype), softcap)
+def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
+                    temperature=1.0, entropy_scale=None):
+    capped = _scaled(z.to(softmax_stats.dtype), softcap, temperature)
     p = torch.exp((capped - softmax_stats[0, :, None]) - softmax_stats[1, :, None])
     a = row_scale * (1 + 2 * z_loss * lse_of(softmax_stats))
     grad = p * a[:, None] - (row_scale * label_smoothing / classes)[:, None]
@@ -260,10 +359,16 @@ def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, la
     at = (row_scale * softmax_stats[2] + (a - row_scale) * p.gather(1, at_target)[:, 0] + row_scale * label_smoothing
           - row_scale * label_smoothing / classes)
     grad.scatter_(1, at_target, torch.where(inside, at, grad.gather(1, at_target)[:, 0])[:, None])
+    if entropy_scale is not None:  # dH/du_c = p_c (sum_k p_k (u_k - max) - (u_c - max))
+        spread = torch.where(p == 0, 0.0, p * (softmax_stats[3, :, None] - (capped - softmax_stats[0, :, None])))
+        grad += entropy_scale[:, None] * spread
+    if temperature != 1.0:
+        grad /= temperature
     if softcap:  # 1 - tanh^2 as 4 q (1 - q), q = 1 / (e^2|y| + 1): no cancellation where it saturates
         q = 1 / (torch.exp(2 * (z.to(softmax_stats.dtype) / softcap).abs()) + 1)
         grad.mul_(4 * q * (1 - q))
-    out.copy_(torch.where(row_scale[:, None] == 0, 0.0, grad))  # 0, not 0 times an infinite logit's terms
+    ignored = row_scale[:, None] == 0 if entropy_scale is None else (row_scale[:, None] == 0) & (entropy_scale[:, None] == 0)
+    out.copy_(torch.where(ignored, 0.0, grad))  # 0, not 0 times an infinite logit's terms
 
 
 # Class weights w (C,) and probability targets y (rows, C). With y' = (1 - eps) y + eps / V (y

@@ -201,6 +201,9 @@ class Shards:
         sums = stats[1:].clone()
         sums[0] *= to_global
         sums[3] *= to_global
+        if len(stats) == row_passes.ENTROPY_STAT_ROWS:  # sum e (u - max) moves with the max: + (max - global) sum e
+            moved = torch.where(stats[1] == 0, 0.0, (stats[0] - row_max) * stats[1])
+            sums[4] = (sums[4] + moved) * to_global
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         # A layout that is not valid (on a GPU, another rank's changed since this rank checked): NaN.
         sums[0] = torch.where(self.valid, sums[0], torch.nan)
@@ -218,10 +221,10 @@ class Shards:
 
 
 def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, softcap,
-                       group, vocab_start):
+                       group, vocab_start, temperature=1.0):
     """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
     shards = Shards(group, logits.shape[1], vocab_start, logits)
     loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), weight, (
-        ignore_index, label_smoothing, z_loss, softcap or 0.0, reduction, shards))
+        ignore_index, label_smoothing, z_loss, softcap or 0.0, reduction, shards, temperature))
     shards.raise_if_invalid()  # its backward has no all-reduce
     return loss.to(torch.float32 if float_loss else logits.dtype), lse

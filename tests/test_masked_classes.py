@@ -151,7 +151,7 @@ def test_class_weights_take_the_twin_without_nan(smoothing):
     eps, z_loss = options.get("label_smoothing", 0.0), options.get("z_loss", 0.0)
 
     def ours(z, t):
-        return row_passes.RowPassCrossEntropy.apply(z, t, weight, (-100, eps, z_loss, 0.0, "mean", None))[0]
+        return row_passes.RowPassCrossEntropy.apply(z, t, weight, (-100, eps, z_loss, 0.0, "mean", None, 1.0))[0]
 
     check_matches_torch(ours, lambda z, t: cross_entropy.reference_cross_entropy(
         z, t, weight.double(), -100, "mean", eps, z_loss, False), [z, t], (0,),
