@@ -181,10 +181,10 @@ def linear_gradients(x, weight, bias, target, start: int, classes, softmax_stats
 
 
 def loss_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
-              softcap: float, reduction: str, shards=None):
+              softcap: float, temperature: float, reduction: str, shards=None):
     """The "classes" forward: (loss, softmax_stats, count, classes) (row_passes.finish's; count
     divisor where given), the loss reduced: 0-dim, or (N,) for 'none'."""
-    stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap)
+    stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap, temperature)
     loss, softmax_stats, count, classes = row_passes.finish(stats, target, ignore_index, weight.shape[0],
                                                             label_smoothing, z_loss, shards)
     count = count if divisor is None else divisor
@@ -192,7 +192,7 @@ def loss_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothi
 
 
 def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
-             softcap: float, reduction: str, wants):
+             softcap: float, temperature: float, reduction: str, wants):
     """The "rows" forward, a chunk of rows at a time: their logits, statistics and loss, then their
     gradient (in place) for a grad_output of 1, times weight into d input, and summed into d weight
     and d bias (wants says which). Returns (loss reduced, softmax_stats, count, (d input, d weight,
@@ -212,11 +212,11 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
         end = min(first + height, rows)
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device)  # contiguous, for the kernels
-        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap)
+        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap, temperature=temperature)
         stats[:, first:end] = chunk_stats
         if any(wants):
             row_passes.write_gradient(z, z, t, 0, vocab, row_passes.softmax_stats_of(chunk_stats),
-                                      row_scale[first:end], label_smoothing, z_loss, softcap)
+                                      row_scale[first:end], label_smoothing, z_loss, softcap, temperature)
         if wants[0]:
             _mm(z, weight, grad_x[first:end])
         if wants[1]:
@@ -229,8 +229,8 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
 
 
 def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ignore_index: int,
-                  label_smoothing: float, z_loss: float, softcap: float, reduction: str, wants, classes=None,
-                  shards=None):
+                  label_smoothing: float, z_loss: float, softcap: float, temperature: float, reduction: str, wants,
+                  classes=None, shards=None):
     """The backward by chunks of classes: the gradients of input, weight and bias (None where
     wants says no); classes as loss_pass returned it (None: weight's V)."""
     classes = weight.shape[0] if classes is None else classes
@@ -238,7 +238,7 @@ def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ig
                                       softmax_stats.dtype)
     grad_x, grad_w, grad_b = linear_gradients(x, weight, bias, target, 0 if shards is None else shards.start,
                                               classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
-                                              wants)
+                                              wants, temperature)
     if grad_x is not None and shards is not None:
         shards.sum_over_group(grad_x)  # every rank's classes add to it
     if shards is not None:
@@ -252,16 +252,18 @@ def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ig
 # C++ side: these schemas are their only declaration.
 
 _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
-                "float label_smoothing, float z_loss, float softcap, str reduction) -> (Tensor, Tensor, Tensor)")
+                "float label_smoothing, float z_loss, float softcap, float temperature, str reduction) "
+                "-> (Tensor, Tensor, Tensor)")
 _ROWS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
-                "float label_smoothing, float z_loss, float softcap, str reduction, bool[] wants) "
+                "float label_smoothing, float z_loss, float softcap, float temperature, str reduction, bool[] wants) "
                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor softmax_stats, Tensor count, "
                      "Tensor grad_output, int ignore_index, float label_smoothing, float z_loss, float softcap, "
-                     "str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
+                     "float temperature, str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
 
 
-def _loss_fake(x, weight, bias, target, divisor, ignore_index, label_smoothing, z_loss, softcap, reduction):
+def _loss_fake(x, weight, bias, target, divisor, ignore_index, label_smoothing, z_loss, softcap, temperature,
+               reduction):
     acc = helpers.accumulation_dtype(x.dtype)
     shape = (x.shape[0],) if reduction == "none" else ()
     return (x.new_empty(shape, dtype=acc), x.new_empty((3, x.shape[0]), dtype=acc),
@@ -326,7 +328,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     indices, divisor: a 0-dim tensor in the accumulation type that 'mean' divides by, or None (the
     rows not ignored). Returns (loss, lse) in the accumulation type: loss 0-dim for 'mean' and
     'sum', (N,) for 'none'; lse (N,) without gradient. options: (ignore_index, label_smoothing,
-    z_loss, softcap or 0, reduction, shards, schedule (choose_schedule's), wants (input, weight, bias),
+    z_loss, softcap or 0, temperature, reduction, shards, schedule (choose_schedule's), wants (input, weight, bias),
     allow_retain_graph (backward's scale of forward-written gradients into new tensors)).
     The caller casts the loss: a cast here that returns its input (float32) made torch.compile
     (torch 2.11) hand backward a grad_output of 0."""
@@ -537,7 +539,8 @@ def _check_classes_on_cpu(target, ignore_index: int, classes: int) -> None:
 
 
 def _logits_whole(input, linear_weight, target, linear_bias, weight, probabilities: bool, reduction: str,
-                  ignore_index: int, label_smoothing: float, z_loss: float, softcap, return_lse: bool):
+                  ignore_index: int, label_smoothing: float, z_loss: float, softcap, return_lse: bool,
+                  temperature: float = 1.0):
     """The fallback: cross_entropy of F.linear's logits, all of them at once (torch's own
     F.linear_cross_entropy with options=None computes the same)."""
     classes, hidden = linear_weight.shape[0], linear_weight.shape[-1]
@@ -550,7 +553,8 @@ def _logits_whole(input, linear_weight, target, linear_bias, weight, probabiliti
         logits = logits.reshape(-1, classes)
         target = target.reshape(-1, classes) if probabilities else target.reshape(-1)
     result = ce.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction=reduction,
-                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse,
+                              temperature=temperature)
     if not rows_of:
         return result
     loss, lse = result if return_lse else (result, None)
@@ -578,7 +582,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          reduction: str = "mean", ignore_index: int | None = None, label_smoothing: float = 0.0,
                          options=None, z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False,
-                         process_group=None, vocab_start: int | None = None, divisor=None):
+                         process_group=None, vocab_start: int | None = None, divisor=None,
+                         temperature: float = 1.0):
     """torch 2.14's F.linear_cross_entropy: F.cross_entropy(F.linear(input, linear_weight,
     linear_bias), target, weight=weight, ...), same signature and results, without the (N, C)
     logits in memory: a chunk of rows or of classes at a time (choose_schedule's schedules).
@@ -608,7 +613,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
 
     Ours, keywords after torch's: z_loss and return_lse as in cross_entropy (lse in target's
     shape for class indices, float32); softcap: the logits become softcap * tanh(logits /
-    softcap) first (Gemma 2). process_group (class indices without class weights):
+    softcap) first (Gemma 2); temperature as in cross_entropy. process_group (class indices without class weights):
     linear_weight and linear_bias hold this rank's contiguous rows of the output layer, its shard
     of the classes (first class vocab_start, by default rank * C_r), as cross_entropy's; input is
     the same on every rank and target holds global class ids. The loss equals the unsharded one;
@@ -622,6 +627,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         probabilities = _check_arguments(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                          label_smoothing, z_loss, softcap)
         _check_divisor(divisor, reduction)
+        ce.check_temperature(temperature)
         schedule_options = _from_torch_options(options)
         why_whole = _why_logits_whole(linear_weight, probabilities, weight)
         if process_group is not None and why_whole is not None:
@@ -641,7 +647,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if why_whole is not None:
         helpers.check_fallback_allowed("linear_cross_entropy", why_whole + " take the logits whole", input)
         result = _logits_whole(input, linear_weight, target, linear_bias, weight, probabilities, reduction,
-                               ignore_index, label_smoothing, z_loss, softcap, return_lse)
+                               ignore_index, label_smoothing, z_loss, softcap, return_lse, float(temperature))
         if divisor is None:
             return result
         return (result[0] / divisor, result[1]) if return_lse else result / divisor
@@ -661,8 +667,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, softcap or 0.0,
                                    **schedule_options)
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
-            ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction, shards,
-            schedule, wants, allow_retain_graph))
+            ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature), reduction,
+            shards, schedule, wants, allow_retain_graph))
         if shards is not None and not any(wants):  # else backward raises, after its all-reduce
             shards.raise_if_invalid()
         loss = loss.to(torch.float32 if float_loss else input.dtype)
@@ -756,14 +762,14 @@ class LinearCrossEntropyLoss(_WeightedLoss):
     self.linear (nn.Linear(in_features, C * prod(out_features)), its state_dict keys
     linear.weight and linear.bias as torch's), and forward(input, target). weight: class
     weights, a buffer as in torch's _WeightedLoss. Takes linear_cross_entropy's z_loss, softcap,
-    return_lse, process_group and vocab_start as keywords after torch's (with process_group,
+    return_lse, process_group, vocab_start and temperature as keywords after torch's (with process_group,
     num_classes is this rank's shard of the classes)."""
 
     def __init__(self, in_features: int, num_classes: int, *, out_features: tuple = (), bias: bool = False,
                  device=None, dtype=None, reduction: str = "mean", weight: torch.Tensor | None = None,
                  ignore_index: int | None = None, label_smoothing: float = 0.0, options=None, z_loss: float = 0.0,
                  softcap: float | None = None, return_lse: bool = False, process_group=None,
-                 vocab_start: int | None = None) -> None:
+                 vocab_start: int | None = None, temperature: float = 1.0) -> None:
         sizes = (("in_features", in_features), ("num_classes", num_classes),
                  *(("out_features", size) for size in out_features))
         hint = ("LinearCrossEntropyLoss takes torch 2.14's constructor: (in_features, num_classes, *, ...), and owns "
@@ -780,12 +786,13 @@ class LinearCrossEntropyLoss(_WeightedLoss):
         helpers.check_reduction(reduction, ("none", "mean", "sum"))
         ce.check_smoothing_and_z_loss(label_smoothing, z_loss)
         ce.check_softcap(softcap)
+        ce.check_temperature(temperature)
         _from_torch_options(options)
         super().__init__(weight, None, None, reduction)
         self.num_classes, self.out_features = num_classes, tuple(out_features)
         self.ignore_index, self.label_smoothing, self.options = ignore_index, label_smoothing, options
         self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse
-        self.process_group, self.vocab_start = process_group, vocab_start
+        self.process_group, self.vocab_start, self.temperature = process_group, vocab_start, temperature
         # nn.Linear's weight is 2-D: (C * d1 * ... * dK, H), reshaped in forward, as torch's.
         self.linear = nn.Linear(in_features, math.prod(self.out_features, start=num_classes), bias=bias,
                                 device=device, dtype=dtype)
@@ -798,7 +805,8 @@ class LinearCrossEntropyLoss(_WeightedLoss):
                                     reduction=self.reduction, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, options=self.options, z_loss=self.z_loss,
                                     softcap=self.softcap, return_lse=self.return_lse,
-                                    process_group=self.process_group, vocab_start=self.vocab_start)
+                                    process_group=self.process_group, vocab_start=self.vocab_start,
+                                    temperature=self.temperature)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.linear.in_features}, num_classes={self.num_classes}, "

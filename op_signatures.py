@@ -66,10 +66,10 @@ KERNEL_OPS = {
     },
     "row_passes": {  # row_passes.py: they write their (a!) arguments
         "forward": ("(Tensor logits, Tensor target, int class_start, int classes, Tensor(a!) stats, "
-                    "float softcap) -> ()"),
+                    "float softcap, float temperature) -> ()"),
         "backward": ("(Tensor logits, Tensor(a!) grad, Tensor target, int class_start, int classes, "
                      "Tensor? class_count, Tensor softmax_stats, Tensor row_scale, float label_smoothing, "
-                     "float z_loss, float softcap) -> ()"),
+                     "float z_loss, float softcap, float temperature, Tensor? entropy_scale) -> ()"),
     },
 }
 

@@ -46,8 +46,8 @@ def fold_stats(z, target, start: int, classes: int, stats, softcap: float, weigh
     too where it has ENTROPY_STAT_ROWS). The logits enter as u = softcap(z) / temperature."""
     if z.shape[1] == 0:  # an empty shard of the classes adds nothing
         return
-    if z.is_cuda and len(stats) == STAT_ROWS and temperature == 1.0:
-        helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap)
+    if z.is_cuda and len(stats) in (STAT_ROWS, ENTROPY_STAT_ROWS):
+        helpers.kernel_ops("row_passes", z).forward(z, target, start, classes, stats, softcap, temperature)
     else:
         _stats_torch(z, target, start, stats, softcap, weight, temperature)
 
@@ -138,16 +138,17 @@ def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scal
     entropy (entropy_of), added; softmax_stats then has the entropy's row."""
     if z.shape[1] == 0:  # an empty shard: no gradient to write
         return
-    if not z.is_cuda or temperature != 1.0 or entropy_scale is not None:
+    if not z.is_cuda:
         _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
                         temperature, entropy_scale)
         return
     ops = helpers.kernel_ops("row_passes", z)
     if isinstance(classes, torch.Tensor):
         ops.backward(z, grad, target, start, start + z.shape[1], classes, softmax_stats, row_scale, label_smoothing,
-                     z_loss, softcap)
+                     z_loss, softcap, temperature, entropy_scale)
     else:
-        ops.backward(z, grad, target, start, classes, None, softmax_stats, row_scale, label_smoothing, z_loss, softcap)
+        ops.backward(z, grad, target, start, classes, None, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
+                     temperature, entropy_scale)
 
 
 def save_for_backward(ctx, saved, classes) -> None:

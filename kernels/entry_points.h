@@ -471,7 +471,7 @@ inline void force_cross_entropy_path(const std::string& path) {
 // width) of `classes`; (rows,) class indices; per-row tensors (rows,) or (k, rows) in the
 // accumulation type.
 inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tensor& target, int64_t class_start,
-                                       int64_t classes, double softcap) {
+                                       int64_t classes, double softcap, double temperature) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(),
               "row_passes: logits must be a contiguous (rows, width) CUDA tensor");
   TORCH_CHECK(target.device() == logits.device() && target.dim() == 1 && target.size(0) == logits.size(0) &&
@@ -489,6 +489,8 @@ inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tenso
   call.target = target.data_ptr();
   call.target_int32 = target.scalar_type() == at::kInt;
   call.softcap = softcap;
+  TORCH_CHECK(temperature > 0, "row_passes: temperature must be > 0");
+  call.temperature = temperature;
   return call;
 }
 
@@ -501,11 +503,12 @@ inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits,
 }
 
 // Forward: folds the chunk into stats (5, rows): running max, sum of exp, target logit, logit
-// sum, sum of exp over the other classes.
+// sum, sum of exp over the other classes; (6, rows): also the entropy's sum exp(u - m) (u - m).
 inline FUSED_LOSSES_ROW_PASSES_FORWARD_RETURNS row_passes_forward(FUSED_LOSSES_ROW_PASSES_FORWARD_PARAMS) {
   CallContext context(logits);
-  LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
-  check_row_tensor(stats, logits, 5, "stats");
+  LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap, temperature);
+  call.entropy = stats.dim() == 2 && stats.size(0) == 6;
+  check_row_tensor(stats, logits, call.entropy ? 6 : 5, "stats");
   call.stats = stats.data_ptr();
   run_kernels([&] { logit_chunk_stats_launch(call, context.launch()); });
 }
@@ -513,14 +516,20 @@ inline FUSED_LOSSES_ROW_PASSES_FORWARD_RETURNS row_passes_forward(FUSED_LOSSES_R
 // Backward: writes the chunk's gradient into `grad` (logits' shape and dtype; it may be
 // `logits`), given each row's softmax_stats (3, rows: max, log sum exp, the target's p - 1)
 // and scale. class_count: one value of the accumulation type, the number of classes where only
-// the device knows it (vocabulary-parallel), or None: `classes`.
+// the device knows it (vocabulary-parallel), or None: `classes`. entropy_scale (rows) or None:
+// each row's factor on its entropy's gradient, added (softmax_stats then has a fourth row).
 inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES_ROW_PASSES_BACKWARD_PARAMS) {
   CallContext context(logits);
-  LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap);
+  LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap, temperature);
+  if (entropy_scale.has_value() && entropy_scale->defined()) {
+    check_row_tensor(*entropy_scale, logits, 1, "entropy_scale");
+    call.entropy = true;
+    call.entropy_scale = entropy_scale->data_ptr();
+  }
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.is_contiguous(),
               "row_passes: grad must be contiguous, of the logits' shape, dtype and device");
-  check_row_tensor(softmax_stats, logits, 3, "softmax_stats");
+  check_row_tensor(softmax_stats, logits, call.entropy ? 4 : 3, "softmax_stats");
   check_row_tensor(row_scale, logits, 1, "row_scale");
   if (class_count.has_value() && class_count->defined()) {
     TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == softmax_stats.scalar_type() &&

@@ -115,10 +115,14 @@ struct LogitChunkCall {
   const void* target;   // (rows) class indices, int64 or int32 with target_int32
   bool target_int32;
   double softcap;       // 0: none
-  void* stats;          // forward: (5, rows) in the accumulation type, updated
+  double temperature;   // u = z' / temperature; 1: none
+  void* stats;          // forward: (5, rows) in the accumulation type, updated; (6, rows) with entropy
+  bool entropy;         // forward: the sixth row, sum exp(u - m) (u - m); backward: entropy_scale given
   const void* softmax_stats;  // backward: (3, rows) in the accumulation type: each row's max m,
-                              // log(sum exp(z' - m)) and its target's p - 1
+                              // log(sum exp(u - m)) and its target's p - 1; with entropy a fourth,
+                              // sum_c p_c (u_c - m)
   const void* row_scale;  // backward: (rows) in the accumulation type
+  const void* entropy_scale;  // backward with entropy: (rows), each row's factor on its entropy's gradient
   const void* class_count;  // backward: one value of the accumulation type in place of `classes`, or nullptr
   double label_smoothing, z_loss;
 };

@@ -6,17 +6,21 @@
 // (whole rows), and vocabulary-parallel cross_entropy (this rank's shard, the statistics
 // combined across ranks between the passes).
 //
-// With softcap s the logits are z' = s tanh(z / s) (Gemma 2), and dz'/dz = 1 - (z'/s)^2.
+// With softcap s the logits are z' = s tanh(z / s) (Gemma 2), and dz'/dz = 1 - (z'/s)^2; at a
+// temperature T every statistic below is of u = z' / T (written z' below), and the gradient
+// carries 1 / T.
 //   stats:    (5, rows) in the accumulation type: running max m, sum s of exp(z' - m), the
 //             target's z' (0 until its chunk comes), the sum of z' (label smoothing) and the
-//             sum of exp(z' - m) over the classes other than the target.
+//             sum of exp(z' - m) over the classes other than the target; with the entropy
+//             (6, rows), also sum exp(z' - m) (z' - m), moved with m as the sums are (log_probs).
 //   gradient: d/dz_c = r (p_c (1 + 2 z_loss lse) - eps / classes - (1 - eps) [c == t]) dz'/dz,
 //             p_c = exp((z'_c - m) - log s), lse = m + log s (kept apart: a rounded lse of
 //             60 is 4e-6 off), and at the target p_t - 1 = -(the others' sum) / s: written
 //             p_t - 1 it cancels in a confident row (1e-5 off 1: 50 fp16 ulps), r the
 //             row's scale (grad_output times the reduction's
 //             factor; 0 for an ignored row, whose gradient is written as 0; NaN for a
-//             class outside [0, classes), which the forward marked NaN).
+//             class outside [0, classes), which the forward marked NaN); with the entropy, plus
+//             h p_c (mu - (z'_c - m)), mu = sum_k p_k (z'_k - m), h the row's entropy_scale.
 // Bytes per logit (b = element size): stats b, gradient 2b. One warp a row, or a block a row
 // where the rows are few (warps_per_row).
 
@@ -135,21 +139,25 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
   const int64_t row = share.row;
   if (row >= call.rows) return;  // a block a row has none past the end: no barrier skipped
   const Softcap<T> softcap(call.softcap);
+  const acc_t inverse_t = static_cast<acc_t>(1 / call.temperature);  // 1: u = z' exactly
+  const bool entropy = call.entropy;
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   const int64_t t = target_of(call.target, call.target_int32, row) - call.class_start;
-  // Per lane: a running max and sums of exp (all classes, the others), rescaled once per pack.
-  acc_t m = -infinity<acc_t>(), s = 0, others = 0, sum = 0;
+  // Per lane: a running max and sums of exp (all classes, the others; with the entropy, of exp
+  // times u - max), rescaled once per pack.
+  acc_t m = -infinity<acc_t>(), s = 0, others = 0, sum = 0, spread = 0;
   for_each_lane_pack<T, VEC>(z, call.width, share, [&](const Pack<T, VEC>& pack, int64_t i) {
     acc_t v[VEC];
     acc_t pack_max = -infinity<acc_t>();
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      v[k] = softcap.apply(static_cast<acc_t>(pack.val[k]));
+      v[k] = softcap.apply(static_cast<acc_t>(pack.val[k])) * inverse_t;
       pack_max = max_acc(pack_max, v[k]);
       sum += v[k];
     }
     if (pack_max > m) {  // from -inf too: exp(-inf) = 0, and a NaN sum stays NaN
       const acc_t rescale = exp_minus<T>(m, pack_max);
+      if (entropy) spread = s == acc_t(0) ? acc_t(0) : (spread + (m - pack_max) * s) * rescale;
       s *= rescale;
       others *= rescale;
       m = pack_max;
@@ -159,11 +167,16 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
       const acc_t e = v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
       s += e;
       others += i + k == t ? acc_t(0) : e;
+      if (entropy && e != acc_t(0)) spread += e * (v[k] - m);
     }
   });
-  // The row's max, each lane's sum moved onto it, then the row's.
+  // The row's max, each lane's sums moved onto it, then the row's.
   const acc_t row_max = row_allreduce(m, MaxOp(), -infinity<acc_t>(), parts, scratch);
   const acc_t to_row = m == row_max ? acc_t(1) : exp_minus<T>(m, row_max);
+  if (entropy) {
+    spread = s == acc_t(0) ? acc_t(0) : (spread + (m - row_max) * s) * to_row;
+    spread = row_allreduce(spread, SumOp<acc_t>(), acc_t(0), parts, scratch);
+  }
   s = row_allreduce(s * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch);
   others = row_allreduce(others * to_row, SumOp<acc_t>(), acc_t(0), parts, scratch);
   sum = row_allreduce(sum, SumOp<acc_t>(), acc_t(0), parts, scratch);
@@ -176,10 +189,16 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
   const acc_t new_max = max_acc(run_max, row_max);
   const acc_t old_scale = run_max == new_max ? acc_t(1) : exp_minus<T>(run_max, new_max);
   const acc_t new_scale = row_max == new_max ? acc_t(1) : exp_minus<T>(row_max, new_max);
+  if (entropy) {  // each part's sum exp (u - max) moved to the new max: + (its max - the new max) its exp sum
+    acc_t& run_spread = stats[5 * call.rows + row];
+    const acc_t old_part = run_sum == acc_t(0) ? acc_t(0) : (run_spread + (run_max - new_max) * run_sum) * old_scale;
+    const acc_t new_part = s == acc_t(0) ? acc_t(0) : (spread + (row_max - new_max) * s) * new_scale;
+    run_spread = old_part + new_part;
+  }
   run_sum = run_sum * old_scale + s * new_scale;
   run_others = run_others * old_scale + others * new_scale;
   run_max = new_max;
-  if (t >= 0 && t < call.width) stats[2 * call.rows + row] = softcap.apply(static_cast<acc_t>(z[t]));
+  if (t >= 0 && t < call.width) stats[2 * call.rows + row] = softcap.apply(static_cast<acc_t>(z[t])) * inverse_t;
   stats[3 * call.rows + row] += sum;
 }
 
@@ -191,9 +210,13 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
   const int64_t row = share.row;
   if (row >= call.rows) return;
   const Softcap<T> softcap(call.softcap);
+  const acc_t inverse_t = static_cast<acc_t>(1 / call.temperature);
   const T* z = static_cast<const T*>(call.logits) + row * call.width;
   T* grad = static_cast<T*>(call.grad) + row * call.width;
   const acc_t r = static_cast<const acc_t*>(call.row_scale)[row];
+  // The entropy's factor h and mean mu (0 without: its term adds 0).
+  const acc_t h = call.entropy ? static_cast<const acc_t*>(call.entropy_scale)[row] : acc_t(0);
+  const acc_t mu = call.entropy ? static_cast<const acc_t*>(call.softmax_stats)[3 * call.rows + row] : acc_t(0);
   const acc_t shift = static_cast<const acc_t*>(call.softmax_stats)[row];
   const acc_t log_sum = static_cast<const acc_t*>(call.softmax_stats)[call.rows + row];
   const acc_t target_p_minus_1 = static_cast<const acc_t*>(call.softmax_stats)[2 * call.rows + row];
@@ -208,12 +231,13 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_gradient_kernel(Log
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       acc_t slope;
-      const acc_t capped = softcap.apply(static_cast<acc_t>(pack.val[k]), slope);
+      const acc_t capped = softcap.apply(static_cast<acc_t>(pack.val[k]), slope) * inverse_t;
       const acc_t p = exp_minus<T>(capped - shift, log_sum);
       // At the target a p - r (1 - eps) - b, with p - 1 given.
-      const acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
+      acc_t g = i + k == t ? r * target_p_minus_1 + (a - r) * p + r * eps - b : a * p - b;
+      if (call.entropy && p != acc_t(0)) g += h * p * (mu - (capped - shift));  // a masked class: 0, not 0 * inf
       // An ignored row: 0, not 0 times an infinite logit's terms.
-      pack.val[k] = static_cast<T>(r == acc_t(0) ? acc_t(0) : g * slope);
+      pack.val[k] = static_cast<T>(r == acc_t(0) && h == acc_t(0) ? acc_t(0) : g * (slope * inverse_t));
     }
     store_pack<T, VEC>(grad + i, pack);
   });

@@ -224,3 +224,26 @@ def test_temperature_one_is_todays_call():
         losses.cross_entropy(logits, target, temperature=0.0)
     with pytest.raises(ValueError, match="temperature"):
         losses.CrossEntropyLoss(temperature=-2.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("wants", ["input", "all"])
+def test_linear_cross_entropy_at_a_temperature(device, dtype, reduction, wants, small_chunks):
+    """Every schedule's plumbing (the loss, rows and gradients passes): linear_cross_entropy at
+    temperature 0.6 with smoothing and z-loss equals cross_entropy of F.linear's logits at it."""
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 12, generator=generator, dtype=dtype).to(device).requires_grad_()
+    w = torch.randn(33, 12, generator=generator, dtype=dtype).to(device).requires_grad_(wants == "all")
+    target = torch.randint(0, 33, (7,), generator=generator).to(device)
+    target[2] = -100
+    options = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3, temperature=0.6)
+    ours = losses.linear_cross_entropy(x, w, target, **options)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    theirs = losses.cross_entropy(torch.nn.functional.linear(*leaves), target, **options)
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert rel_err(ours, theirs) <= 4 * RTOL[dtype]
+    for mine, truth in zip([x, w] if wants == "all" else [x], leaves):
+        assert rel_err(mine.grad, truth.grad) <= 4 * GRAD_RTOL[dtype]
