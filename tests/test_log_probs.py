@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import loss_helpers
 import losses
 from helpers import rel_err, run_on_ranks
 
@@ -247,3 +248,32 @@ def test_linear_cross_entropy_at_a_temperature(device, dtype, reduction, wants, 
     assert rel_err(ours, theirs) <= 4 * RTOL[dtype]
     for mine, truth in zip([x, w] if wants == "all" else [x], leaves):
         assert rel_err(mine.grad, truth.grad) <= 4 * GRAD_RTOL[dtype]
+
+
+@pytest.mark.skipif(not loss_helpers.COMPILE_OPS, reason="torch.compile of the losses needs torch 2.4+")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("linear", [False, True], ids=["log_probs", "linear_log_probs"])
+def test_compiles_whole(device, linear):
+    """torch.compile(fullgraph=True) of a GRPO-like step (per-token weights on the log-probs, an
+    entropy bonus): no graph break, eager's values and gradients (aot_eager: tracing, no codegen)."""
+    generator = torch.Generator().manual_seed(11)
+    h = torch.randn(3, 5, 8, generator=generator).to(device).requires_grad_()
+    head = torch.randn(33, 8, generator=generator).to(device).requires_grad_()
+    target = torch.randint(0, 33, (3, 5), generator=generator).to(device)
+    target[0, 0] = -100
+    advantages = torch.randn(3, 5, generator=generator).to(device)
+
+    def step(h, head, target, advantages):
+        if linear:
+            values, entropy = losses.linear_log_probs(h, head, target, temperature=0.7, return_entropy=True)
+        else:
+            values, entropy = losses.log_probs(h @ head.t(), target, temperature=0.7, return_entropy=True)
+        return (values * advantages).sum() + 0.01 * entropy.sum()
+
+    eager = step(h, head, target, advantages)
+    eager_grads = torch.autograd.grad(eager, (h, head))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(h, head, target, advantages)
+    grads = torch.autograd.grad(compiled, (h, head))
+    assert rel_err(compiled, eager) <= 1e-6
+    for grad, eager_grad in zip(grads, eager_grads):
+        assert rel_err(grad, eager_grad) <= 1e-6
