@@ -776,6 +776,11 @@ def run_vocab_parallel(reps, warmup) -> dict:
 # gradients it returns (no .grad held before the step). The check compares the loss and the
 # gradients with eager's (relative norm-wise error <= 2e-2).
 
+# RL scoring (issue 57): per-token log-probs at a temperature and the entropy (detached), the
+# log-probs weighted by per-token advantages; setups as below but fp32 master. (name, rows, hidden,
+# vocab, temperature)
+RL_CASES = (("Llama 3 RL, T 0.7", 8192, 4096, 128256, 0.7),)
+RL_SETUPS = ("eval", "frozen head", "train")
 LINEAR_CASES = (("Llama 3", 8192, 4096, 128256, None), ("Llama 3, longer", 16384, 4096, 128256, None),
                 ("Gemma 2 2B", 8192, 2304, 256000, 30.0))
 # setup -> (weight's dtype, gradients of (input, weight), autocast, matrix products of the floor)
@@ -810,6 +815,23 @@ def linear_ce_impls(softcap) -> dict:
     return impls
 
 
+def rl_impls(temperature, advantages) -> dict:
+    """GRPO's per-token terms: (log p(target) * advantages).sum() plus the mean entropy, detached (a
+    metric). eager: TRL's formula, the logits whole in float32; ours: linear_log_probs."""
+    def eager(x, w, t):
+        log_p = torch.log_softmax(F.linear(x, w).float() / temperature, -1)
+        picked = log_p.gather(-1, t.clamp(min=0)[:, None])[:, 0].masked_fill(t == -100, 0.0)
+        with torch.no_grad():
+            entropy = -(log_p.exp() * log_p).sum(-1).masked_fill(t == -100, 0.0)
+        return (picked * advantages).sum() + entropy.mean()
+
+    def ours(x, w, t):
+        picked, entropy = losses.linear_log_probs(x, w, t, temperature=temperature, return_entropy=True)
+        return (picked * advantages).sum() + entropy.detach().mean()
+
+    return {"ours": ours, "eager": eager, "compile": fresh_compile(eager)}
+
+
 def linear_floor(x, w, products: int):
     """The setup's matrix products, cuBLAS alone."""
     with torch.no_grad():
@@ -820,7 +842,8 @@ def linear_floor(x, w, products: int):
             g.t() @ x
 
 
-def run_linear_case(name, rows, hidden, vocab, softcap, setup, reps, warmup) -> list[dict]:
+def run_linear_case(name, rows, hidden, vocab, softcap, setup, reps, warmup, temperature=None) -> list[dict]:
+    """A case of LINEAR_CASES (softcap), or of RL_CASES (temperature: rl_impls)."""
     weight_dtype, (grad_x, grad_w), autocast, products = LINEAR_SETUPS[setup]
     torch.manual_seed(0)
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(grad_x)
@@ -828,7 +851,8 @@ def run_linear_case(name, rows, hidden, vocab, softcap, setup, reps, warmup) -> 
     target = torch.randint(0, vocab, (rows,), device="cuda").masked_fill_(torch.rand(rows, device="cuda") < 0.05, -100)
     leaves = [tensor for tensor in (x, w) if tensor.requires_grad]
     grad_bytes = sum(tensor.numel() * tensor.element_size() for tensor in leaves)
-    impls = linear_ce_impls(softcap)
+    impls = (linear_ce_impls(softcap) if temperature is None
+             else rl_impls(temperature, torch.randn(rows, device="cuda")))
 
     def step(loss_fn):
         x.grad = w.grad = None
@@ -901,6 +925,10 @@ def run_linear(reps, warmup, filter_text="") -> list[dict]:
         for setup in LINEAR_SETUPS:
             if not wanted or any(word in f"{case[0]} / {setup}" for word in wanted):
                 results.append(run_linear_case(*case, setup, reps, warmup))
+    for name, rows, hidden, vocab, temperature in RL_CASES:
+        for setup in RL_SETUPS:
+            if not wanted or any(word in f"{name} / {setup}" for word in wanted):
+                results.append(run_linear_case(name, rows, hidden, vocab, None, setup, reps, warmup, temperature))
     gpu = torch.cuda.get_device_name()
     print(f"\nLinear + cross-entropy, a step of each setup (bf16 products), {gpu}:")
     print(f"  {'case':17s} {'setup':12s} {'impl':10s} {'ms':>8s} {'x floor':>8s} {'peak extra MB':>14s} "
