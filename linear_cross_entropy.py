@@ -693,14 +693,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
         stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap, temperature,
                             row_passes.ENTROPY_STAT_ROWS if return_entropy else row_passes.STAT_ROWS)
         stats, classes = row_passes.combine(stats, weight.shape[0], shards)
-        log_probs, entropy, softmax_stats = row_passes.log_prob_outputs(stats, target, ignore_index, classes,
-                                                                        return_entropy)
-        ctx.options = options
-        row_passes.save_for_backward(ctx, (x, weight, bias, target, softmax_stats), classes)
-        if not return_entropy:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        return row_passes.log_probs_forward_outputs(ctx, options, stats, classes, target, ignore_index,
+                                                    return_entropy, (x, weight, bias, target))
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):

@@ -249,6 +249,19 @@ def log_prob_scales(grad_log_probs, grad_entropy, target, ignore_index: int, cla
     return row_scale.contiguous(), None if grad_entropy is None else row_factor(grad_entropy)
 
 
+def log_probs_forward_outputs(ctx, options, stats, classes, target, ignore_index: int, return_entropy: bool, saved):
+    """The end of every log-probs Function's forward: log_prob_outputs' (log_probs, entropy), with
+    `saved` and the softmax statistics saved for backward (saved_tensors gives them back, then
+    classes), the entropy without gradient unless asked for."""
+    log_probs, entropy, softmax_stats = log_prob_outputs(stats, target, ignore_index, classes, return_entropy)
+    ctx.options = options
+    save_for_backward(ctx, (*saved, softmax_stats), classes)
+    if not return_entropy:
+        ctx.mark_non_differentiable(entropy)
+    ctx.set_materialize_grads(False)
+    return log_probs, entropy
+
+
 class RowPassLogProbs(torch.autograd.Function):
     """log p of each row's target class (and with return_entropy the softmax's entropy) of whole
     (rows, C) logits at a temperature, classes [start, start + C): the statistics, then in backward
@@ -264,13 +277,8 @@ class RowPassLogProbs(torch.autograd.Function):
                           ENTROPY_STAT_ROWS if return_entropy else STAT_ROWS)
         fold_stats(logits, target, start, start + logits.shape[1], stats, softcap, temperature=temperature)
         stats, classes = combine(stats, logits.shape[1], shards)
-        log_probs, entropy, softmax_stats = log_prob_outputs(stats, target, ignore_index, classes, return_entropy)
-        ctx.options = options
-        save_for_backward(ctx, (logits, target, softmax_stats), classes)
-        if not return_entropy:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        return log_probs_forward_outputs(ctx, options, stats, classes, target, ignore_index, return_entropy,
+                                         (logits, target))
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
