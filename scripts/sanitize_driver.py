@@ -114,7 +114,7 @@ def recomputes():
 
 
 def row_passes(dtype):
-    """Softcap cross-entropy and linear_cross_entropy, which run kernels/row_passes.cu."""
+    """Softcap cross-entropy, linear_cross_entropy and the log-probs, which run kernels/row_passes.cu."""
     many = 32 * torch.cuda.get_device_properties(0).multi_processor_count + 3  # a warp a row from here
     for rows, classes in ((3, 1000), (many, 1001), (2, 70001), (1, 1)):
         logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
@@ -123,11 +123,16 @@ def row_passes(dtype):
         for reduction in ("mean", "sum", "none"):
             run(lambda a, t: losses.cross_entropy(a, t, softcap=30.0, label_smoothing=0.1, z_loss=1e-3,
                                                   reduction=reduction), [logits, target], (0,))
+        # log-probs and entropy at a temperature: the entropy's statistic and gradient term
+        run(lambda a, t: sum(losses.log_probs(a, t, temperature=0.7, softcap=30.0, return_entropy=True)),
+            [logits, target], (0,))
     x = torch.randn(37, 64, device="cuda", dtype=dtype)
     head, bias = torch.randn(1001, 64, device="cuda", dtype=dtype) / 8, torch.randn(1001, device="cuda", dtype=dtype)
     target = torch.randint(0, 1001, (37,), device="cuda")
     target[1] = -100
     for grad_of in ((0,), (0, 1, 3), (1,)):  # frozen head, the whole layer, the head alone
+        run(lambda a, w, t, b: sum(losses.linear_log_probs(a, w, t, linear_bias=b, temperature=0.7,
+                                                           return_entropy=True)), [x, head, target, bias], grad_of)
         for reduction in ("mean", "sum", "none"):
             for softcap in (None, 30.0):
                 run(lambda a, w, t, b: losses.linear_cross_entropy(a, w, t, linear_bias=b, reduction=reduction,
