@@ -138,6 +138,8 @@ def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scal
     entropy (entropy_of), added; softmax_stats then has the entropy's row."""
     if z.shape[1] == 0:  # an empty shard: no gradient to write
         return
+    if entropy_scale is None:  # the entropy returned but not differentiated: the kernel takes 3 rows alone
+        softmax_stats = softmax_stats[:3]
     if not z.is_cuda:
         _gradient_torch(z, grad, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
                         temperature, entropy_scale)
@@ -359,6 +361,8 @@ def _stats_torch(z, target, start, stats, softcap, weight, temperature=1.0):
 
 def _gradient_torch(z, out, target, start, classes, softmax_stats, row_scale, label_smoothing, z_loss, softcap,
                     temperature=1.0, entropy_scale=None):
+    # The kernel's contract (entry_points.h's row_passes_backward), held here so CPU tests see it.
+    assert softmax_stats.shape[0] == (3 if entropy_scale is None else 4), "softmax_stats' rows and entropy_scale disagree"
     capped = _scaled(z.to(softmax_stats.dtype), softcap, temperature)
     p = torch.exp((capped - softmax_stats[0, :, None]) - softmax_stats[1, :, None])
     a = row_scale * (1 + 2 * z_loss * lse_of(softmax_stats))

@@ -90,6 +90,29 @@ def test_peaked_rows_keep_their_digits(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("linear", [False, True], ids=["log_probs", "linear_log_probs"])
+def test_an_entropy_returned_as_a_metric_leaves_the_gradient_alone(device, linear, small_chunks):
+    """GRPO's pattern: the entropy returned, detached (a metric), only the log-probs differentiated:
+    the gradient is return_entropy=False's (the kernel then takes the statistics without the entropy's row)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 16, generator=generator).to(device)
+    w = (torch.randn(45, 16, generator=generator) / 2).to(device)
+    target = torch.randint(0, 45, (2, 5), generator=generator)
+    target[1, 2] = -100
+    target, advantages = target.to(device), torch.randn(2, 5, generator=generator).to(device)
+    grads = []
+    for return_entropy in (True, False):
+        leaf = (x if linear else x @ w.t()).detach().requires_grad_()
+        operands = (leaf, w, target) if linear else (leaf, target)
+        outputs = (losses.linear_log_probs if linear else losses.log_probs)(*operands, temperature=0.7,
+                                                                          return_entropy=return_entropy)
+        values, metric = outputs if return_entropy else (outputs, torch.zeros(()))
+        ((values * advantages).sum() + metric.detach().sum()).backward()
+        grads.append(leaf.grad)
+    assert rel_err(grads[0], grads[1]) <= 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_masked_classes(device):
     """-inf logits (a masked vocabulary): finite log-probs, entropy and gradients, 0 at the masked classes."""
     logits, target = case((6,), 20, torch.float32, device)
