@@ -777,8 +777,8 @@ def run_vocab_parallel(reps, warmup) -> dict:
 # gradients with eager's (relative norm-wise error <= 2e-2).
 
 # RL scoring (issue 57): per-token log-probs at a temperature and the entropy (detached), the
-# log-probs weighted by per-token advantages; setups as below but fp32 master. (name, rows, hidden,
-# vocab, temperature)
+# log-probs weighted by per-token advantages; setups as below but fp32 master; verl's fused kernel
+# where a verl wheel is installed (pip install --no-deps is enough). (name, rows, hidden, vocab, temperature)
 RL_CASES = (("Llama 3 RL, T 0.7", 8192, 4096, 128256, 0.7),)
 RL_SETUPS = ("eval", "frozen head", "train")
 LINEAR_CASES = (("Llama 3", 8192, 4096, 128256, None), ("Llama 3, longer", 16384, 4096, 128256, None),
@@ -829,7 +829,42 @@ def rl_impls(temperature, advantages) -> dict:
         picked, entropy = losses.linear_log_probs(x, w, t, temperature=temperature, return_entropy=True)
         return (picked * advantages).sum() + entropy.detach().mean()
 
-    return {"ours": ours, "eager": eager, "compile": fresh_compile(eager)}
+    impls = {"ours": ours, "eager": eager, "compile": fresh_compile(eager)}
+    try:
+        verl = verl_linear_cross_entropy()
+
+        def verl_step(x, w, t):  # its labels take no ignore_index: ignored rows get class 0, then 0 weight
+            picked, entropy = verl(x, w, t.clamp(min=0), float(temperature), "none")
+            return (picked.masked_fill(t == -100, 0.0) * advantages).sum() + entropy.detach().mean()
+
+        impls["verl"] = verl_step
+    except Exception as error:
+        print(f"verl: not importable ({type(error).__name__}: {error})", file=sys.stderr)
+    return impls
+
+
+def verl_linear_cross_entropy():
+    """verl's fused (log-probs, entropy) kernel from an installed verl wheel, without verl's package
+    imports (Ray and the rest): its two kernel files as a package, with the four device helpers they use."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("no verl wheel installed")
+    root = spec.submodule_search_locations[0]
+    for name, folder in (("verl", root), ("verl.utils", f"{root}/utils"), ("verl.utils.kernel", f"{root}/utils/kernel")):
+        package = types.ModuleType(name)
+        package.__path__ = [folder]
+        sys.modules[name] = package
+    device = types.ModuleType("verl.utils.device")
+    device.is_cuda_available = torch.cuda.is_available()
+    device.get_device_name = lambda: "cuda"
+    device.get_torch_device = lambda: torch.cuda
+    device.get_device_capability = lambda device_id=0: torch.cuda.get_device_capability(device_id)
+    sys.modules["verl.utils.device"] = device
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+    return linear_cross_entropy
 
 
 def linear_floor(x, w, products: int):
