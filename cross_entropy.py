@@ -48,8 +48,8 @@ def _forward_fake(*args):
     return loss, grad_logits, grad_target, lse
 
 
-def _backward_fake(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output, want_grad_logits,
-                   want_grad_target):
+def _backward_fake(logits, target, weight, ignore_index, label_smoothing, z_loss, temperature, grad_output,
+                   want_grad_logits, want_grad_target):
     return (logits.new_empty(logits.shape if want_grad_logits else (0,)),
             logits.new_empty(logits.shape if want_grad_target else (0,)))
 
@@ -68,19 +68,22 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, options):
-        ignore_index, reduction, float_loss, label_smoothing, z_loss, want_grad_logits, want_grad_target, want_lse = options
+        (ignore_index, reduction, float_loss, label_smoothing, z_loss, temperature, want_grad_logits, want_grad_target,
+         want_lse) = options
+        # Not inplace; no guess at grad_output (see loss_helpers).
         loss, grad_logits, grad_target, lse = helpers.kernel_ops("cross_entropy", logits).forward(
             logits, target, weight, ignore_index, REDUCTION_CODES[reduction], float_loss, label_smoothing, z_loss,
-            want_grad_logits, want_grad_target, want_lse, False, False)  # not inplace; no guess: see loss_helpers
+            temperature, want_grad_logits, want_grad_target, want_lse, False, False)
         ctx.kernel, ctx.reduction = "cross_entropy", reduction
-        ctx.arguments = (ignore_index, label_smoothing, z_loss)
+        ctx.arguments = (ignore_index, label_smoothing, z_loss, temperature)
         ctx.want_grads = (want_grad_logits, want_grad_target)
         ctx.recompute = None
         if reduction == "none":
             ctx.save_for_backward(logits, target, weight)
         else:
             kept = (logits, target, weight) if helpers.keeps_operands(float_loss) else ()
-            ctx.recompute = (_recompute_arguments(ignore_index, reduction, label_smoothing, z_loss), ()) if kept else None
+            ctx.recompute = ((_recompute_arguments(ignore_index, reduction, label_smoothing, z_loss, temperature), ())
+                             if kept else None)
             ctx.save_for_backward(grad_logits if want_grad_logits else None,
                                   grad_target if want_grad_target else None, *kept)
         # Only the loss has a gradient: autograd need not make zeros for the others.
@@ -110,9 +113,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return grad_logits, grad_target, None, None
 
 
-def _recompute_arguments(ignore_index, reduction, label_smoothing, z_loss):
+def _recompute_arguments(ignore_index, reduction, label_smoothing, z_loss, temperature):
     """recompute_gradients_'s arguments between the operands and grad_output."""
-    return ignore_index, REDUCTION_CODES[reduction], label_smoothing, z_loss
+    return ignore_index, REDUCTION_CODES[reduction], label_smoothing, z_loss, temperature
 
 
 def _rows(input: torch.Tensor, target: torch.Tensor, probs: bool):
@@ -128,24 +131,25 @@ def _rows(input: torch.Tensor, target: torch.Tensor, probs: bool):
     return logits, (target.movedim(1, -1).reshape(-1, input.shape[1]) if probs else target.reshape(-1))
 
 
-def _formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_loss):
+def _formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, temperature):
     """The loss by torch's formula (plus the z-loss), as the kernel computes it from its rows."""
     def formula(logits, target):
         w = weight
         if float_loss:
             logits, w = logits.float(), None if weight is None else weight.float()
             target = target.float() if target.is_floating_point() else target
-        return reference_cross_entropy(logits, target, w, ignore_index, reduction, label_smoothing, z_loss, False)
+        return reference_cross_entropy(logits, target, w, ignore_index, reduction, label_smoothing, z_loss, False,
+                                       temperature=temperature)
     return formula
 
 
 def _gradient_graph(options, input, target, grad_output):
     """For the eager node under create_graph=True, as pointwise_loss's: options holds the
     (C,) weight, no other tensor."""
-    weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, dtypes, wants = options
+    weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, temperature, dtypes, wants = options
     probs = target.is_floating_point()
     operands = _rows(input.to(dtypes[0]), target.to(dtypes[1]) if probs else target, probs)
-    formula = _formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_loss)
+    formula = _formula(weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, temperature)
     return helpers.gradient_graph(formula, operands, wants, grad_output)
 
 
@@ -203,16 +207,16 @@ def check_smoothing_and_z_loss(label_smoothing: float, z_loss: float) -> None:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
 
 
-def choose_path(input, target, weight, softcap=None, process_group=None, temperature=1.0) -> tuple[str, str | None]:
+def choose_path(input, target, weight, softcap=None, process_group=None) -> tuple[str, str | None]:
     """The one choice among cross_entropy's paths (the module's docstring): (path, why the
     kernels do not take the call, for "torch"; else None)."""
     if process_group is not None:
         return "process_group", None
     why_not = _fusable(input, target, weight)
-    if why_not is None and (softcap is not None or temperature != 1.0):
+    if why_not is None and softcap is not None:  # with a temperature too: the row passes take both
         if row_passes.uses_kernels(target, weight):
             return "row_passes", None
-        why_not = "softcap or temperature with class weights or probabilities (their kernels take class indices alone)"
+        why_not = "softcap with class weights or probabilities (their kernels take class indices alone)"
     return ("fused", None) if why_not is None else ("torch", why_not)
 
 
@@ -282,7 +286,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         backward); with weight or probabilities, torch ops. Not with inplace_backward.
     temperature: the logits (capped where softcap is given) are divided by it, a float > 0;
         the loss, lse, z-loss and smoothing are those of the divided logits, and the gradient
-        carries 1 / temperature. Other than 1.0: the row-pass engine, as softcap.
+        carries 1 / temperature. Every kernel takes it (1.0: today's bits); with softcap, the row passes.
     return_lse: also return the per-row lse, float32 (float64 for float64 input), in
         target's shape for class indices: (loss, lse). It carries no gradient.
     inplace_backward: with grad and a scalar reduction, the gradient is written over
@@ -305,8 +309,8 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         check_softcap(softcap)
         check_temperature(temperature)
         if inplace_backward:
-            if process_group is not None or softcap is not None or temperature != 1.0:
-                raise ValueError("inplace_backward is not supported with process_group, softcap or temperature")
+            if process_group is not None or softcap is not None:
+                raise ValueError("inplace_backward is not supported with process_group or softcap")
             _check_inplace_backward(input, reduction)
         if (process_group is not None and (softcap is not None or temperature != 1.0)
                 and not row_passes.uses_kernels(target, weight)):
@@ -316,7 +320,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         vocab_parallel.raise_on_every_rank(process_group, input, error)
     user_operands = (input, target)
     (input, target, weight), float_loss = helpers.autocast_operands(reduction, input, target, weight)
-    path, why_not = choose_path(input, target, weight, softcap, process_group, temperature)
+    path, why_not = choose_path(input, target, weight, softcap, process_group)
     if path == "torch":
         helpers.check_fallback_allowed("cross_entropy", why_not, input)
         return reference_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
@@ -329,10 +333,10 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     logits, rows_target = _rows(input, target, probs)
     want_grad_logits, want_grad_target = helpers.wants_grad(input), probs and helpers.wants_grad(target)
     want_grads = want_grad_logits or want_grad_target
-    arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss))
+    arguments = (int(ignore_index), reduction, float_loss, float(label_smoothing), float(z_loss), float(temperature))
     if path == "process_group":
         loss, lse = vocab_parallel.cross_entropy_rows(logits, rows_target, weight, *arguments, softcap, process_group,
-                                                      vocab_start, float(temperature))
+                                                      vocab_start)
     elif path == "row_passes":
         loss, lse = row_passes.RowPassCrossEntropy.apply(
             logits.contiguous(), rows_target.contiguous(), None,

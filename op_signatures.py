@@ -53,14 +53,16 @@ KERNEL_OPS = {
     "cross_entropy": {
         # inplace=True returns the logits as their gradient: never passed under torch.compile.
         "forward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
-                    "bool float_loss, float label_smoothing, float z_loss, bool want_grad_logits, "
-                    "bool want_grad_target, bool want_lse, bool inplace, bool guess_grad_output) "
+                    "bool float_loss, float label_smoothing, float z_loss, float temperature, "
+                    "bool want_grad_logits, bool want_grad_target, bool want_lse, bool inplace, bool guess_grad_output) "
                     "-> (Tensor, Tensor, Tensor, Tensor)"),
         "backward": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, float label_smoothing, "
-                     "float z_loss, Tensor grad_output, bool want_grad_logits, bool want_grad_target) "
+                     "float z_loss, float temperature, Tensor grad_output, bool want_grad_logits, "
+                     "bool want_grad_target) "
                      "-> (Tensor, Tensor)"),
         "recompute_gradients_": ("(Tensor logits, Tensor target, Tensor? weight, int ignore_index, int reduction, "
-                                 "float label_smoothing, float z_loss, Tensor grad_output, Tensor? applied, "
+                                 "float label_smoothing, float z_loss, float temperature, Tensor grad_output, "
+                                 "Tensor? applied, "
                                  "Tensor(a!) grad_logits, Tensor(b!) grad_target) -> ()"),
         "scale_by_grad_output_": SCALE_BY_GRAD_OUTPUT,
     },

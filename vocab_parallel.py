@@ -220,8 +220,8 @@ class Shards:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
 
-def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss, softcap,
-                       group, vocab_start, temperature=1.0):
+def cross_entropy_rows(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
+                       temperature, softcap, group, vocab_start):
     """(loss, lse) of (rows, C_r) logits; see the module's docstring."""
     shards = Shards(group, logits.shape[1], vocab_start, logits)
     loss, lse = row_passes.RowPassCrossEntropy.apply(logits.contiguous(), target.contiguous(), weight, (

@@ -312,7 +312,7 @@ struct CrossEntropyInputs {
 
   CrossEntropyInputs(const at::Tensor& logits_arg, const at::Tensor& target_arg,
                      const c10::optional<at::Tensor>& weight_arg, int64_t ignore_index, double label_smoothing,
-                     double z_loss) {
+                     double z_loss, double temperature) {
     TORCH_CHECK(logits_arg.is_cuda() && logits_arg.dim() == 2, "cross_entropy: input must be 2-D (N, C) on CUDA");
     TORCH_CHECK(target_arg.device() == logits_arg.device(), "cross_entropy: target must be on input's device");
     const bool probs = target_arg.is_floating_point();
@@ -326,6 +326,7 @@ struct CrossEntropyInputs {
                   "cross_entropy: class-index target must be int64 or int32");
     }
     TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy: label_smoothing must be in [0, 1]");
+    TORCH_CHECK(temperature > 0.0, "cross_entropy: temperature must be > 0");
     logits = logits_arg.contiguous();
     target = target_arg.contiguous();
     // Probabilities are read in the same 16-byte packs as the logits (RowEdges): at the
@@ -348,6 +349,7 @@ struct CrossEntropyInputs {
     call.ignore_index = ignore_index;
     call.label_smoothing = label_smoothing;
     call.z_loss = z_loss;
+    call.temperature = temperature;
   }
 
   // A fresh tensor of the logits' shape and dtype that rows are written to (a gradient):
@@ -376,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_fo
   TORCH_CHECK(!inplace || (logits.is_contiguous() && reduction != kNone && want_grad_logits),
               "cross_entropy: inplace needs contiguous logits, a scalar reduction and their gradient");
   CallContext context(logits);
-  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss, temperature);
   TORCH_CHECK(!want_grad_target || in.call.probs, "cross_entropy: only probability targets have a gradient");
   const bool scalar_loss = reduction != kNone;
   at::Tensor loss = loss_tensor(in.logits, reduction, float_loss, {in.call.rows},
@@ -398,15 +400,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_cross_entropy_fo
 
 inline FUSED_LOSSES_CROSS_ENTROPY_FORWARD_RETURNS cross_entropy_forward(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_PARAMS) {
   return with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing,
-                                    z_loss, want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output,
-                                    cross_entropy_launch);
+                                    z_loss, temperature, want_grad_logits, want_grad_target, want_lse, inplace,
+                                    guess_grad_output, cross_entropy_launch);
 }
 
 // Backward of reduction 'none': grad_output has shape (N,). Returns (grad_logits,
 // grad_target), undefined where not asked for.
 inline FUSED_LOSSES_CROSS_ENTROPY_BACKWARD_RETURNS cross_entropy_backward(FUSED_LOSSES_CROSS_ENTROPY_BACKWARD_PARAMS) {
   CallContext context(logits);
-  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss, temperature);
   TORCH_CHECK(grad_output.numel() == in.call.rows && grad_output.scalar_type() == in.logits.scalar_type() &&
                   grad_output.device() == in.logits.device(),
               "cross_entropy: grad_output must have N elements of input's dtype on input's device");
@@ -428,7 +430,7 @@ inline FUSED_LOSSES_CROSS_ENTROPY_RECOMPUTE_GRADIENTS__RETURNS cross_entropy_rec
     FUSED_LOSSES_CROSS_ENTROPY_RECOMPUTE_GRADIENTS__PARAMS) {
   TORCH_CHECK(reduction != kNone, "cross_entropy: a recompute is for a scalar reduction");
   CallContext context(logits);
-  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss);
+  CrossEntropyInputs in(logits, target, weight, ignore_index, label_smoothing, z_loss, temperature);
   TORCH_CHECK(grad_target.numel() == 0 || in.call.probs, "cross_entropy: only probability targets have a gradient");
   const at::Tensor loss = at::empty({}, in.logits.options().dtype(accumulation_type(in.logits.scalar_type())));
   in.call.reduction = reduction;
@@ -451,7 +453,7 @@ inline FUSED_LOSSES_CROSS_ENTROPY_RECOMPUTE_GRADIENTS__RETURNS cross_entropy_rec
 inline std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_PARAMS) {
   std::string name;
   with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
-                             want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output,
+                             temperature, want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output,
                              [&](const CrossEntropyCall& call, const LaunchContext& context) {
                                name = cross_entropy_call_path(call, context.device);
                              });

@@ -87,6 +87,7 @@ struct CrossEntropyCall {
   const void* weight;   // (classes) in the accumulation type, or nullptr
   int64_t ignore_index;
   double label_smoothing, z_loss;
+  double temperature;  // u = x / temperature (> 0; 1: none)
   int64_t reduction;
   const void* grad_output;  // (rows): the backward of 'none'
   ScalarOut loss;

@@ -65,13 +65,13 @@ def kl_div_terms(input, target, log_input, log_target):
 REDUCTION_NAMES = {code: name for name, code in loss_helpers.REDUCTION_CODES.items()}
 
 
-def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, want_grads,
-                        grad_output=None, factor=1.0):
-    """The loss by torch's formula (cross_entropy.reference_cross_entropy), and the gradients of
-    logits and target that want_grads asks for, by the formulas in kernels/cross_entropy.cu
-    (an op's implementation runs below autograd). In the accumulation type."""
+def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, temperature,
+                        want_grads, grad_output=None, factor=1.0):
+    """The loss by torch's formula (cross_entropy.reference_cross_entropy) of u = logits / temperature,
+    and the gradients of logits and target that want_grads asks for, by the formulas in
+    kernels/cross_entropy.cu (an op's implementation runs below autograd). In the accumulation type."""
     acc_dtype = loss_helpers.accumulation_dtype(logits.dtype)
-    x = logits.to(acc_dtype)
+    x = logits.to(acc_dtype) / temperature
     rows, num_classes = x.shape
     probs = target.is_floating_point()
     w = weight.to(acc_dtype) if weight is not None else x.new_ones(num_classes)
@@ -103,7 +103,7 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
         scale = z_scale = 1.0
     keep = counted[:, None] > 0  # the kernel leaves an ignored row's gradient 0, whatever the scale (1 / 0)
     grad_x = torch.where(keep, grad_x * (scale[:, None] if reduction == "none" else scale), 0.0)
-    grad_x = grad_x + torch.where(keep, 2 * z_loss * (lse * z_scale)[:, None] * p, 0.0)
+    grad_x = (grad_x + torch.where(keep, 2 * z_loss * (lse * z_scale)[:, None] * p, 0.0)) / temperature
     if grad_y is not None:
         grad_y = grad_y * scale[:, None] if reduction == "none" else grad_y * scale
     grads = [(grad * factor).to(logits.dtype) if wanted else logits.new_empty(0)
@@ -113,11 +113,11 @@ def cross_entropy_terms(logits, target, weight, ignore_index, reduction, label_s
 
 @torch.no_grad()
 def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
-                          want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output):
+                          temperature, want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output):
     name = REDUCTION_NAMES[reduction]
     wants = (want_grad_logits, want_grad_target) if name != "none" else (False, False)
     loss, grads, lse = cross_entropy_terms(logits, target, weight, ignore_index, name, label_smoothing, z_loss,
-                                           wants)
+                                           temperature, wants)
     if inplace:  # the kernel writes the gradient over the logits and returns them as it
         grads[0] = logits.copy_(grads[0])
     return (loss.to(torch.float32 if float_loss else logits.dtype), grads[0], grads[1],
@@ -125,19 +125,19 @@ def cross_entropy_forward(logits, target, weight, ignore_index, reduction, float
 
 
 @torch.no_grad()
-def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing, z_loss, grad_output,
+def cross_entropy_backward(logits, target, weight, ignore_index, label_smoothing, z_loss, temperature, grad_output,
                            want_grad_logits, want_grad_target):
     _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, "none", label_smoothing, z_loss,
-                                      (want_grad_logits, want_grad_target), grad_output.to(logits.dtype))
+                                      temperature, (want_grad_logits, want_grad_target), grad_output.to(logits.dtype))
     return tuple(grads)
 
 
 @torch.no_grad()
 def cross_entropy_recompute_gradients_(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                       grad_output, applied, grad_logits, grad_target):
+                                       temperature, grad_output, applied, grad_logits, grad_target):
     wants = (grad_logits.numel() > 0, grad_target.numel() > 0)
     _, grads, _ = cross_entropy_terms(logits, target, weight, ignore_index, REDUCTION_NAMES[reduction],
-                                      label_smoothing, z_loss, wants, factor=grad_output.item())
+                                      label_smoothing, z_loss, temperature, wants, factor=grad_output.item())
     for saved, grad in zip((grad_logits, grad_target), grads):
         if saved.numel():
             saved.copy_(grad)

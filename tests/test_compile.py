@@ -111,13 +111,13 @@ def op_calls(device):
             for reduction, float_loss in ((NONE, False), (MEAN, False), (MEAN, True)):
                 for want_grad_logits, want_lse in ((True, False), (False, True)):
                     calls.append(("cross_entropy", "forward", (logits, target, weights, -100, reduction, float_loss,
-                                                               0.1, 1e-3, want_grad_logits, probs, want_lse, False,
-                                                               False)))
-            calls.append(("cross_entropy", "backward", (logits, target, weights, -100, 0.1, 1e-3, grad_output,
+                                                               0.1, 1e-3, 0.7, want_grad_logits, probs, want_lse,
+                                                               False, False)))
+            calls.append(("cross_entropy", "backward", (logits, target, weights, -100, 0.1, 1e-3, 0.7, grad_output,
                                                         True, probs)))
             grad_target = torch.empty(10, 6, device=device, dtype=dtype) if probs else logits.new_empty(0)
             calls.append(("cross_entropy", "recompute_gradients_", (
-                logits, target, weights, -100, MEAN, 0.1, 1e-3, grad_output[0], torch.ones((), device=device),
+                logits, target, weights, -100, MEAN, 0.1, 1e-3, 0.7, grad_output[0], torch.ones((), device=device),
                 torch.empty(10, 6, device=device, dtype=dtype), grad_target)))
     return calls
 
@@ -162,7 +162,7 @@ def test_fake_outputs_on_cuda_need_no_gpu():
         logits = torch.empty(5, 7, device="cuda", dtype=torch.bfloat16)
         target = torch.empty(5, device="cuda", dtype=torch.int64)
         loss, grad_logits, grad_target, lse = torch.ops.fused_losses_cross_entropy.forward(
-            logits, target, None, -100, NONE, False, 0.0, 0.0, True, False, True, False, False)
+            logits, target, None, -100, NONE, False, 0.0, 0.0, 1.0, True, False, True, False, False)
         assert (loss.shape, grad_logits.shape, grad_target.shape, lse.shape, lse.dtype) == (
             (5,), (0,), (0,), (5,), torch.float32)
         assert loss.device.type == "cuda" and loss.dtype == torch.bfloat16

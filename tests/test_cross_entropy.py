@@ -237,7 +237,7 @@ SHAPES = {
 def path_of(logits, target, reduction="mean", grad=False, lse=False, label_smoothing=0.0):
     """The kernel path (kernels/cross_entropy/launch_policy.cuh) of a call with 2-D logits."""
     return loader.load_for_device("cross_entropy", logits.device, logits.dtype).cross_entropy_path(
-        logits, target, None, IGNORE, loss_helpers.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, grad,
+        logits, target, None, IGNORE, loss_helpers.REDUCTION_CODES[reduction], False, label_smoothing, 0.0, 1.0, grad,
         False, lse, False, False)
 
 
@@ -843,7 +843,7 @@ def test_softcap_lse_module_compile_and_strict_refusals(monkeypatch):
     grad, = torch.autograd.grad(compiled(logits, target), logits)
     want, = torch.autograd.grad(losses.cross_entropy(logits, target, softcap=5.0, z_loss=1e-3), logits)
     torch.testing.assert_close(grad, want)
-    with pytest.raises(RuntimeError, match="softcap or temperature with class weights"):  # strict mode: no torch ops
+    with pytest.raises(RuntimeError, match="softcap with class weights"):  # strict mode: no torch ops
         losses.cross_entropy(logits, target, weight=torch.rand(300, device="cuda"), softcap=5.0)
     with pytest.raises(ValueError, match="inplace_backward"):
         losses.cross_entropy(logits.detach().clone(), target, softcap=5.0, inplace_backward=True)

@@ -212,20 +212,21 @@ def test_a_process_group_on_gloo(tmp_path):
 # ----------------------------------------------------------------------------------
 # temperature= on cross_entropy: the loss, lse, z-loss and smoothing of u = softcap(z) / T.
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", ["cpu", "cpu models"] + DEVICES[1:])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"softcap": 20.0},
                                      {"weight": True}], ids=["plain", "smoothing+z_loss", "softcap", "weight"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_cross_entropy_at_a_temperature(device, dtype, options, reduction, monkeypatch):
+def test_cross_entropy_at_a_temperature(device, dtype, options, reduction, request):
+    """On CUDA the fused kernels (softcap: the row passes); "cpu models": their plumbing on CPU (the
+    kernels' Python models: the temperature reaches forward, backward and the recompute)."""
+    if device == "cpu models":
+        request.getfixturevalue("kernels_modelled_on_cpu")
+        device = "cpu"
     logits, target = case((12,), 30, dtype, device, seed=4)
     options = dict(options)
     if options.pop("weight", False):
         options["weight"] = torch.linspace(0.5, 1.5, 30, dtype=dtype, device=device)
-        if device == "cuda":  # the row-pass kernels take class indices alone: torch's ops, refused in strict mode
-            with pytest.raises(RuntimeError, match="temperature with class weights"):
-                losses.cross_entropy(logits, target, temperature=0.6, **options)
-            monkeypatch.delenv("FUSED_LOSSES_STRICT")
     x = logits.detach().requires_grad_()
     loss, lse = losses.cross_entropy(x, target, reduction=reduction, temperature=0.6, return_lse=True, **options)
     whole = logits.double().requires_grad_()

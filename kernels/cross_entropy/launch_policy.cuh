@@ -367,6 +367,8 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     params.ignore_index = call.ignore_index;
     params.label_smoothing = call.label_smoothing;
     params.z_loss = call.z_loss;
+    params.inverse_temperature = static_cast<acc_t>(1.0 / call.temperature);
+    params.exp_c = exp_constant<T>(params.inverse_temperature);
     params.ce_scale = scalar_loss && call.reduction == kMean && call.probs ? 1.0 / double(rows) : 1.0;
     params.grad_output = static_cast<const T*>(call.grad_output);
     params.guess_source = grad_output_guess_source(call.guess, context);

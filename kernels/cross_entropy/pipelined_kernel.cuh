@@ -43,7 +43,7 @@ struct alignas(8) RowPart {
 template <typename Part, typename Pair, typename acc_t>
 __device__ __forceinline__ void combine_cluster_parts(int64_t k, int rank, int blocks,
                                                       Part (&parts)[2][kMaxClusterBlocks], uint64_t (&parts_full)[2],
-                                                      Pair& acc, acc_t& target_logit) {
+                                                      Pair& acc, acc_t& target_logit, acc_t s) {
   const int slot = static_cast<int>(k & 1);
   if (threadIdx.x == 0) mbarrier_arrive_expect_tx(&parts_full[slot], blocks * sizeof(Part));
   if (threadIdx.x < blocks) {
@@ -54,7 +54,7 @@ __device__ __forceinline__ void combine_cluster_parts(int64_t k, int rank, int b
   acc = parts[slot][0].max_sum;
   target_logit = parts[slot][0].target_logit;
   for (int b = 1; b < blocks; ++b) {
-    acc = combine(acc, parts[slot][b].max_sum);
+    acc = combine(acc, parts[slot][b].max_sum, s);
     target_logit += parts[slot][b].target_logit;
   }
 }
@@ -75,16 +75,16 @@ __device__ __forceinline__ void write_segment_gradient(const CrossEntropyParams<
   const Pack<T, 1> no_target{};
   for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
     store_grad_pack<T, VEC, false, false, false>(load_pack<T, VEC>(segment[p].val), Pack<T, VEC>{}, p * VEC, g,
-                                                 params.weight, gx_segment, nullptr);
+                                                 params.exp_c, params.weight, gx_segment, nullptr);
   }
   if (target_here && (target_in_segment / VEC) % blockDim.x == threadIdx.x) {
     Pack<T, 1> target_x;
     target_x.val[0] = segment[target_in_segment / VEC].val[target_in_segment % VEC];
-    store_grad_pack<T, 1, false, false>(target_x, no_target, t.index, g, params.weight, gx, nullptr);
+    store_grad_pack<T, 1, false, false>(target_x, no_target, t.index, g, params.exp_c, params.weight, gx, nullptr);
   }
   if (has_edge) {
     store_grad_pack<T, 1, false, false>(edges.element(x, threadIdx.x), no_target, edges.class_of(threadIdx.x), g,
-                                        params.weight, gx, nullptr);
+                                        params.exp_c, params.weight, gx, nullptr);
   }
 }
 
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
     const bool target_here =
         t.counted() && !target_on_edge && target_in_segment >= 0 && target_in_segment < packs * VEC;
     Pair acc{-infinity<acc_t>(), 0};
-    if (has_edge) acc = add_pack(acc, edges.element(x, threadIdx.x));
+    if (has_edge) acc = add_pack(acc, edges.element(x, threadIdx.x), params.exp_c);
     const Pack<T, VEC>* segment = stage_segment(stage, segment_source(x, edges, begin));
     mbarrier_wait(&stage_full[stage], stage_phase);
     // The target's logit where this block holds it: from its stage, or an edge (rank 0).
@@ -183,11 +183,14 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
       target_logit_here = logit;  // read by all after the block's reduction
     }
     for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
-      acc = add_pack(acc, load_pack<T, VEC>(segment[p].val));
+      acc = add_pack(acc, load_pack<T, VEC>(segment[p].val), params.exp_c);
     }
-    acc = block_allreduce(acc, CombineMaxSum(), Pair{-infinity<acc_t>(), 0}, scratch_pair);
+    acc = block_allreduce(acc, CombineMaxSum<acc_t>{params.inverse_temperature}, Pair{-infinity<acc_t>(), 0},
+                          scratch_pair);
     acc_t target_logit = target_logit_here;
-    if (blocks > 1) combine_cluster_parts(k, rank, blocks, parts, parts_full, acc, target_logit);
+    if (blocks > 1) {
+      combine_cluster_parts(k, rank, blocks, parts, parts_full, acc, target_logit, params.inverse_temperature);
+    }
     const RowGradient<acc_t> g = finish_row<T, false, false, false>(
         params, row, t, acc.max, acc.sum, ClassSums<sum_t>{}, target_logit, scales, true, threadIdx.x == 0, block_ce,
         block_z);

@@ -113,7 +113,7 @@ __device__ __forceinline__ void reduce_row_in_registers(const CrossEntropyParams
   exp_sum_t thread_sum = 0;
   if (has_edge) {
     const Pack<T, 1> edge_x = edge(x);
-    thread_sum = exp_minus<T>(static_cast<acc_t>(edge_x.val[0]), row_max);
+    thread_sum = exp_minus_scaled<T>(static_cast<acc_t>(edge_x.val[0]), row_max, params.exp_c);
     if constexpr (kClassSums) {
       sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(team.rank()), params.weight,
                                        row_max));
@@ -125,7 +125,9 @@ __device__ __forceinline__ void reduce_row_in_registers(const CrossEntropyParams
     if (p < num_packs) {
       acc_t pack_sum = 0;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) pack_sum += exp_minus<T>(static_cast<acc_t>(cache[k].val[j]), row_max);
+      for (int j = 0; j < VEC; ++j) {
+        pack_sum += exp_minus_scaled<T>(static_cast<acc_t>(cache[k].val[j]), row_max, params.exp_c);
+      }
       thread_sum += pack_sum;
       if constexpr (kClassSums) {
         sums.add(pack_class_sums<kProbs>(cache[k], target_cache[kProbs ? k : 0], edges.head + p * VEC, params.weight,
@@ -157,7 +159,7 @@ __device__ __forceinline__ void write_row_gradient(const CrossEntropyParams<T>& 
       const int64_t p = team.rank() + int64_t(k) * team.size();
       if (p < num_packs) {
         store_grad_pack<T, VEC, kProbs, kClassSums>(cache[k], target_cache[kProbs ? k : 0], first_class(p), g,
-                                                    params.weight, gx, gy);
+                                                    params.exp_c, params.weight, gx, gy);
       }
     }
   } else {
@@ -167,21 +169,21 @@ __device__ __forceinline__ void write_row_gradient(const CrossEntropyParams<T>& 
     const int64_t rest = stash_packs * VEC;
     for_each_row_pack<T, VEC, kProbs>(x_packs + rest, kProbs ? y_packs + rest : y_packs, num_packs - stash_packs,
                                       true, team, [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
-      store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(stash_packs + p), g, params.weight, gx, gy);
+      store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(stash_packs + p), g, params.exp_c, params.weight, gx, gy);
     });
     for (int64_t p = team.rank(); p < stash_packs; p += team.size()) {
       // By value, so the pack is one 16-byte shared load: through a reference the
       // compiler reads it element by element (8 LDS.U16 per bf16 pack, per ncu).
       const Pack<T, VEC> xp = load_pack<T, VEC>(stash[p].val);
       const Pack<T, VEC> yp = kProbs ? load_pack<T, VEC>(y_packs + p * VEC) : Pack<T, VEC>{};
-      store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(p), g, params.weight, gx, gy);
+      store_grad_pack<T, VEC, kProbs, kClassSums>(xp, yp, first_class(p), g, params.exp_c, params.weight, gx, gy);
     }
   }
   // Each thread writes its own edge element, which no other thread reads: no barrier
   // is needed here either, and with inplace_backward it still holds the logit.
   if (has_edge) {
     store_grad_pack<T, 1, kProbs, kClassSums>(edge(x), kProbs ? edge(y) : Pack<T, 1>{}, edges.class_of(team.rank()),
-                                              g, params.weight, gx, gy);
+                                              g, params.exp_c, params.weight, gx, gy);
   }
 }
 
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
       MaxSum<acc_t, exp_sum_t> acc = {-infinity<acc_t>(), exp_sum_t(0)};
       if (has_edge) {
         const Pack<T, 1> edge_x = edge(x);
-        acc = add_pack(acc, edge_x);
+        acc = add_pack(acc, edge_x, params.exp_c);
         if constexpr (kClassSums) {
           sums.add(pack_class_sums<kProbs>(edge_x, kProbs ? edge(y) : edge_x, edges.class_of(team.rank()),
                                            params.weight, first_logit));
@@ -272,14 +274,15 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
       }
       for_each_row_pack<T, VEC, kProbs>(x_packs, y_packs, num_packs, false, team,
                                                    [&](const Pack<T, VEC>& xp, const Pack<T, VEC>& yp, int64_t p) {
-        acc = add_pack(acc, xp);
+        acc = add_pack(acc, xp, params.exp_c);
         if (!kSumOnly && p < stash_packs) stash[p] = xp;
         if constexpr (kClassSums) {
           sums.add(pack_class_sums<kProbs>(xp, yp, first_class(p), params.weight, first_logit));
         }
       });
       read_target_logit();
-      acc = team.allreduce(acc, CombineMaxSum(), MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
+      acc = team.allreduce(acc, CombineMaxSum<acc_t>{params.inverse_temperature},
+                           MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
                            scratch_pair);
       row_max = acc.max;
       sum = acc.sum;

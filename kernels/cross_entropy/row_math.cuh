@@ -27,7 +27,25 @@ constexpr int cache_packs() {
 template <typename T>
 using exp_sum_type = std::conditional_t<sizeof(T) == 2, float, sum_t>;
 
-// Running max (acc_t: float, or double for float64 logits) and sum of exp(x - max) over
+// The softmax of u = s x, s = 1 / temperature, relative to m, a max of x (max u = s m, as T > 0):
+// exp(s (x - m)). `c` = exp_constant<T>(s): for 2-byte T exp_minus's one FMA with log2(e) s for
+// its constant, else one multiply more. At s = 1 these are exp_minus's values bit for bit
+// (log2(e) * 1 and (x - m) * 1 are exact), so a call without a temperature is today's.
+template <typename T>
+__host__ __device__ constexpr acc_type<T> exp_constant(acc_type<T> s) {
+  return sizeof(T) == 2 ? kLog2e * s : s;
+}
+
+template <typename T>
+__device__ __forceinline__ acc_type<T> exp_minus_scaled(acc_type<T> x, acc_type<T> m, acc_type<T> c) {
+  if constexpr (sizeof(T) == 2) {
+    return exp2_flush_subnormal(fmaf(x, c, -(m * c)));
+  } else {
+    return exp_acc((x - m) * c);
+  }
+}
+
+// Running max (acc_t: float, or double for float64 logits) and sum of exp(s (x - max)) over
 // part of a row.
 template <typename acc_t, typename sum_type>
 struct MaxSum {
@@ -36,12 +54,13 @@ struct MaxSum {
 };
 
 template <typename acc_t, typename sum_type>
-__device__ __forceinline__ MaxSum<acc_t, sum_type> combine(MaxSum<acc_t, sum_type> a, MaxSum<acc_t, sum_type> b) {
+__device__ __forceinline__ MaxSum<acc_t, sum_type> combine(MaxSum<acc_t, sum_type> a, MaxSum<acc_t, sum_type> b,
+                                                           acc_t s) {
   const acc_t max = max_acc(a.max, b.max);
   // When both maxima are -inf nothing but -inf (or NaN) has been added: keep the sum at 0
   // (not exp(-inf - -inf), NaN), or NaN where a part holds one.
   if (max == -infinity<acc_t>()) return {max, a.sum + b.sum};
-  return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
+  return {max, a.sum * exp_acc((a.max - max) * s) + b.sum * exp_acc((b.max - max) * s)};
 }
 
 template <typename acc_t, typename sum_type>
@@ -49,11 +68,14 @@ __device__ __forceinline__ MaxSum<acc_t, sum_type> shfl_xor(MaxSum<acc_t, sum_ty
   return {shfl_xor(v.max, mask), shfl_xor(v.sum, mask)};
 }
 
+// s: 1 / temperature.
+template <typename acc_t>
 struct CombineMaxSum {
-  template <typename acc_t, typename sum_type>
+  acc_t s;
+  template <typename sum_type>
   __device__ __forceinline__ MaxSum<acc_t, sum_type> operator()(MaxSum<acc_t, sum_type> a,
                                                                 MaxSum<acc_t, sum_type> b) const {
-    return combine(a, b);
+    return combine(a, b, s);
   }
 };
 
@@ -102,8 +124,10 @@ __device__ __forceinline__ acc_t pack_max(const Pack<T, VEC>& pack) {
   }
 }
 
+// c: exp_constant<T>(1 / temperature).
 template <typename T, int VEC, typename acc_t, typename sum_type>
-__device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_type> acc, const Pack<T, VEC>& pack) {
+__device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_type> acc, const Pack<T, VEC>& pack,
+                                                            acc_t c) {
   const acc_t pack_top = pack_max<T, VEC, acc_t, true>(pack);  // NaN if the pack holds one
   const acc_t max = max_acc(acc.max, pack_top);
   // Nothing but -inf so far: the sum stays 0, or NaN. (A NaN passed over here was lost
@@ -111,10 +135,10 @@ __device__ __forceinline__ MaxSum<acc_t, sum_type> add_pack(MaxSum<acc_t, sum_ty
   if (max == -infinity<acc_t>()) return {max, isnan(pack_top) ? quiet_nan<sum_type>() : acc.sum};
   acc_t pack_sum = 0;
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) pack_sum += exp_minus<T>(static_cast<acc_t>(pack.val[k]), max);
+  for (int k = 0; k < VEC; ++k) pack_sum += exp_minus_scaled<T>(static_cast<acc_t>(pack.val[k]), max, c);
   // Rescaled only when the max moved: exp_minus(m, m) of 2-byte T is 1 within the rounding of
   // m log2e, not exactly 1, and a factor taken each pack would compound along the row.
-  return {max, (max == acc.max ? acc.sum : acc.sum * exp_minus<T>(acc.max, max)) + pack_sum};
+  return {max, (max == acc.max ? acc.sum : acc.sum * exp_minus_scaled<T>(acc.max, max, c)) + pack_sum};
 }
 
 // Sums over a row that label smoothing and probability targets need. Logits enter as
@@ -183,17 +207,19 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
 // d/dy_c = a w_c (lse - x_c), already multiplied by the reduction's scale or grad_output.
 // p_c A is computed as exp(x_c - row_max) * A_over_sum: the argument of exp stays small
 // (exp(x_c - lse) would round an argument near -log C, about 1e-6 of p in float32).
+// With a temperature (u = s x) the coefficients of dx carry s; a_y (probabilities' dy) does not.
 template <typename acc_t>
 struct RowGradient {
   acc_t row_max, log_sum;
   acc_t A_over_sum, a, b, B;
   int64_t one_hot;  // -1 for none
+  acc_t s, a_y;
 };
 
 // kOneHot false: the caller corrects the one-hot class's element itself.
 template <typename T, int VEC, bool kProbs, bool kClassSums, bool kOneHot = true, typename acc_t>
 __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pack<T, VEC>& y, int64_t first_class,
-                                                const RowGradient<acc_t>& g, const acc_t* weight, T* grad_x,
+                                                const RowGradient<acc_t>& g, acc_t exp_c, const acc_t* weight, T* grad_x,
                                                 T* grad_y) {
   Pack<T, VEC> dx, dy;
   // The one-hot class's place in this pack (-1: not here), as a 32-bit index: compared per
@@ -203,13 +229,13 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
       kOneHot && one_hot_in_pack >= 0 && one_hot_in_pack < VEC ? static_cast<int>(one_hot_in_pack) : -1;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    acc_t d = exp_minus<T>(static_cast<acc_t>(x.val[k]), g.row_max) * g.A_over_sum;
+    acc_t d = exp_minus_scaled<T>(static_cast<acc_t>(x.val[k]), g.row_max, exp_c) * g.A_over_sum;
     if (kOneHot && k == one_hot_k) d -= g.B;
     if constexpr (kClassSums) {
       const acc_t w = class_weight(weight, first_class + k);
       d -= w * ((kProbs ? g.a * static_cast<acc_t>(y.val[k]) : acc_t(0)) + g.b);
       if constexpr (kProbs) {
-        dy.val[k] = static_cast<T>(g.a * w * (g.log_sum - (static_cast<acc_t>(x.val[k]) - g.row_max)));
+        dy.val[k] = static_cast<T>(g.a_y * w * (g.log_sum - (static_cast<acc_t>(x.val[k]) - g.row_max) * g.s));
       }
     }
     dx.val[k] = static_cast<T>(d);
@@ -332,6 +358,8 @@ struct CrossEntropyParams {
   const acc_type<T>* weight;  // (C) or nullptr
   int64_t rows, num_classes, ignore_index;
   double label_smoothing, z_loss;
+  // u = s x: s = 1 / temperature (1: none), c = exp_constant<T>(s).
+  acc_type<T> inverse_temperature, exp_c;
   // Gradient scale of the ce and z terms without grad_output: 1, 1/rows ('mean' with
   // probabilities), or from `divisors` ('mean' with class indices: 1/weight, 1/count).
   double ce_scale;
@@ -425,27 +453,29 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
   const acc_t smoothing = static_cast<acc_t>(params.label_smoothing);
   const acc_t z_loss = static_cast<acc_t>(params.z_loss);
   const acc_t class_share = smoothing / static_cast<acc_t>(params.num_classes);  // eps / C
+  // u = s x: every logit below enters as s (x - max), the gradient of x as s times u's.
+  const acc_t s = params.inverse_temperature;
   // For 2-byte T every term of the sum, the max's own included, carries exp_minus's factor
   // exp_minus(max, max) (1 within the rounding of max log2e): divided out, a row whose max
   // dwarfs the rest sums to exactly 1 and its loss is exactly 0, as torch's.
   exp_sum_t own_term = 1;
   if constexpr (sizeof(T) == 2) {
-    if (isfinite(row_max)) own_term = exp_minus<T>(row_max, row_max);  // else the sum is 0 or NaN already
+    if (isfinite(row_max)) own_term = exp_minus_scaled<T>(row_max, row_max, params.exp_c);  // else 0 or NaN already
   }
   const acc_t log_sum = log_acc(static_cast<acc_t>(sum / own_term));
-  const acc_t lse = row_max + log_sum;
+  const acc_t lse = row_max * s + log_sum;
   // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
   // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
   // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
   acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
   if constexpr (kProbs) {
     spread_weight = static_cast<acc_t>((1 - smoothing) * sums.targets + class_share * sums.weights);
-    spread_logits = static_cast<acc_t>((1 - smoothing) * sums.target_logits + class_share * sums.logits);
+    spread_logits = static_cast<acc_t>((1 - smoothing) * sums.target_logits + class_share * sums.logits) * s;
   } else {
     if (t.counted()) target_weight = (1 - smoothing) * class_weight(params.weight, t.index);
     if constexpr (kClassSums) {
       spread_weight = static_cast<acc_t>(class_share * sums.weights);
-      spread_logits = static_cast<acc_t>(class_share * sums.logits);
+      spread_logits = static_cast<acc_t>(class_share * sums.logits) * s;
     }
   }
 
@@ -455,7 +485,7 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
       ce = quiet_nan<acc_t>();
     } else if (!t.ignored) {
       ce = spread_weight * log_sum - spread_logits;
-      if (!kProbs) ce += target_weight * ((row_max - target_logit) + log_sum);
+      if (!kProbs) ce += target_weight * ((row_max - target_logit) * s + log_sum);
       z = z_loss * lse * lse;
     }
     if (!kSumOnly && params.loss_per_row != nullptr) params.loss_per_row[row] = static_cast<T>(ce + z);
@@ -464,20 +494,22 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
     block_z += z;
   }
 
-  RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1};
+  RowGradient<acc_t> g{row_max, log_sum, 0, 0, 0, 0, -1, s, 0};
   if (want_grad) {
     const acc_t scale = params.grad_output != nullptr ? static_cast<acc_t>(params.grad_output[row]) : scales.ce;
     const acc_t sz = params.grad_output != nullptr ? scale : scales.z;
     // One class: p = 1, so the ce term's gradient is identically 0; computed, its parts would
     // cancel only to a rounding of the weight, which would land on the z-loss gradient.
-    const acc_t s = params.num_classes == 1 ? acc_t(0) : scale;
+    const acc_t scale_of_ce = params.num_classes == 1 ? acc_t(0) : scale;
     if (!t.valid && !t.ignored) {
       g.A_over_sum = g.B = quiet_nan<acc_t>();
     } else if (!t.ignored) {  // an ignored row's gradient is softmax * 0, as torch computes it
-      g.B = target_weight * s;
-      g.a = (1 - smoothing) * s;
-      g.b = class_share * s;
-      g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * s + 2 * z_loss * lse * sz) / sum);
+      // d/dx = s d/du: the temperature's s on every coefficient of dx (1: today's bits), not on dy's.
+      g.B = target_weight * scale_of_ce * s;
+      g.a_y = (1 - smoothing) * scale_of_ce;
+      g.a = g.a_y * s;
+      g.b = class_share * scale_of_ce * s;
+      g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * scale_of_ce + 2 * z_loss * lse * sz) / sum) * s;
       g.one_hot = kProbs ? -1 : t.index;
     }
   }
