@@ -88,6 +88,9 @@ def main():
                                                       z_loss=1e-3), [logits, target], (0,))
                 run(lambda a, y: losses.cross_entropy(a, y, weight=weight, reduction=reduction, label_smoothing=0.1),
                     [logits, probabilities], (0, 1))
+                # a temperature: the exp's constant and the coefficients' 1 / T in every path
+                run(lambda a, t: losses.cross_entropy(a, t, weight=weight, reduction=reduction, label_smoothing=0.1,
+                                                      temperature=0.7), [logits, target], (0,))
             run(lambda a, t: losses.cross_entropy(a * 1, t, inplace_backward=True, return_lse=True)[0],
                 [logits, target], (0,))
     with torch.autocast("cuda", dtype=torch.bfloat16):
