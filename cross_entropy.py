@@ -286,7 +286,8 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         backward); with weight or probabilities, torch ops. Not with inplace_backward.
     temperature: the logits (capped where softcap is given) are divided by it, a float > 0;
         the loss, lse, z-loss and smoothing are those of the divided logits, and the gradient
-        carries 1 / temperature. Every kernel takes it (1.0: today's bits); with softcap, the row passes.
+        carries 1 / temperature. The fused kernels take it; with softcap the row passes, which take
+        class indices without weight (else torch's ops, or with process_group an error).
     return_lse: also return the per-row lse, float32 (float64 for float64 input), in
         target's shape for class indices: (loss, lse). It carries no gradient.
     inplace_backward: with grad and a scalar reduction, the gradient is written over

@@ -15,6 +15,8 @@
 //
 // Gradient, with p = softmax(x) and per-row coefficients (RowGradient):
 //   d/dx_c = p_c A - w_c (a y_c + b) - [c == t] B,     d/dy_c = a w_c (lse - x_c).
+// A temperature T: all of the above of u = x / T (lse, p, the z-loss), the max still taken on x,
+// and d/dx = d/du / T (row_math.cuh's exp_minus_scaled and finish_row).
 //
 // Bytes per logit (b = element size): forward b. Training step: 2b (the forward writes the
 // gradient as it goes; backward only scales it by grad_output, and not at all when the

@@ -58,7 +58,7 @@ def main() -> int:
     kl_op = loader.load_for_device("kl_div", device, x.dtype).forward
     cases = {
         "cross_entropy": (lambda a: F.cross_entropy(a, t), lambda a: losses.cross_entropy(a, t),
-                          lambda a, g: ce_op(a, t, None, -100, mean, False, 0.0, 0.0, g, False, False, False, g)),
+                          lambda a, g: ce_op(a, t, None, -100, mean, False, 0.0, 0.0, 1.0, g, False, False, False, g)),
         "mse_loss": (lambda a: torch.mean((a - y) ** 2), lambda a: losses.mse_loss(a, y),
                      lambda a, g: mse_op(a, y, mean, 1.0 / a.numel(), False, g, False, g)),
         "kl_div": (lambda a: F.kl_div(torch.log(a), q, reduction="batchmean"),

@@ -219,7 +219,7 @@ def test_a_process_group_on_gloo(tmp_path):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_cross_entropy_at_a_temperature(device, dtype, options, reduction, request):
     """On CUDA the fused kernels (softcap: the row passes); "cpu models": their plumbing on CPU (the
-    kernels' Python models: the temperature reaches forward, backward and the recompute)."""
+    kernels' Python models: the temperature reaches forward and backward)."""
     if device == "cpu models":
         request.getfixturevalue("kernels_modelled_on_cpu")
         device = "cpu"

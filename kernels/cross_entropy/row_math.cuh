@@ -204,7 +204,7 @@ __device__ __forceinline__ ClassSums<acc_t> pack_class_sums(const Pack<T, VEC>& 
 }
 
 // A row's gradient, d/dx_c = p_c A - w_c (a y_c + b) - [c == one_hot] B and
-// d/dy_c = a w_c (lse - x_c), already multiplied by the reduction's scale or grad_output.
+// d/dy_c = a_y w_c (lse - u_c), already multiplied by the reduction's scale or grad_output (u = s x).
 // p_c A is computed as exp(x_c - row_max) * A_over_sum: the argument of exp stays small
 // (exp(x_c - lse) would round an argument near -log C, about 1e-6 of p in float32).
 // With a temperature (u = s x) the coefficients of dx carry s; a_y (probabilities' dy) does not.
@@ -219,8 +219,8 @@ struct RowGradient {
 // kOneHot false: the caller corrects the one-hot class's element itself.
 template <typename T, int VEC, bool kProbs, bool kClassSums, bool kOneHot = true, typename acc_t>
 __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pack<T, VEC>& y, int64_t first_class,
-                                                const RowGradient<acc_t>& g, acc_t exp_c, const acc_t* weight, T* grad_x,
-                                                T* grad_y) {
+                                                const RowGradient<acc_t>& g, acc_t exp_c, const acc_t* weight,
+                                                T* grad_x, T* grad_y) {
   Pack<T, VEC> dx, dy;
   // The one-hot class's place in this pack (-1: not here), as a 32-bit index: compared per
   // element as first_class + k, the 64-bit class index cost four instructions a logit.
@@ -440,7 +440,7 @@ __device__ __forceinline__ RowTarget row_target(const CrossEntropyParams<T>& par
   return t;
 }
 
-// A row after its reductions (row_max, sum = sum_c exp(x_c - row_max), the class sums
+// A row after its reductions (row_max of x, sum = sum_c exp(s (x_c - row_max)), the class sums
 // relative to row_max, and the leader's target logit): the leader (one thread of those
 // that read the row) writes the row's loss and lse where asked and adds its terms to its
 // sums; with want_grad every thread gets the gradient's coefficients.
@@ -464,7 +464,7 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
   }
   const acc_t log_sum = log_acc(static_cast<acc_t>(sum / own_term));
   const acc_t lse = row_max * s + log_sum;
-  // The ce term's pieces: target_weight multiplies the target's nll (max - x_t) +
+  // The ce term's pieces (x - max in u's units: times s): target_weight multiplies the target's nll (max - x_t) +
   // log_sum (the difference first, so a loss near 0 keeps its digits), spread_weight
   // multiplies log_sum and spread_logits is subtracted: sum_c w_c y'_c (log_sum - (x_c - max)).
   acc_t target_weight = 0, spread_weight = 0, spread_logits = 0;
@@ -509,7 +509,8 @@ __device__ __forceinline__ RowGradient<acc_t> finish_row(const CrossEntropyParam
       g.a_y = (1 - smoothing) * scale_of_ce;
       g.a = g.a_y * s;
       g.b = class_share * scale_of_ce * s;
-      g.A_over_sum = static_cast<acc_t>(((target_weight + spread_weight) * scale_of_ce + 2 * z_loss * lse * sz) / sum) * s;
+      g.A_over_sum =
+          static_cast<acc_t>(((target_weight + spread_weight) * scale_of_ce + 2 * z_loss * lse * sz) / sum) * s;
       g.one_hot = kProbs ? -1 : t.index;
     }
   }
