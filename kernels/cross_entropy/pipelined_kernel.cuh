@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
       combine_cluster_parts(k, rank, blocks, parts, parts_full, acc, target_logit, params.inverse_temperature);
     }
     const RowGradient<acc_t> g = finish_row<T, false, false, false>(
-        params, row, t, acc.max, acc.sum, ClassSums<sum_t>{}, target_logit, scales, true, threadIdx.x == 0, block_ce,
-        block_z);
+        params, row, t, acc.max, acc.sum, ClassSums<sum_t>{}, target_logit, scales, true, threadIdx.x == 0 && rank == 0,
+        block_ce, block_z);  // rank 0 alone writes the row's loss and lse: one writer, the same bits every run
 
     T* gx = params.grad_logits + row * num_classes;
     write_segment_gradient(params, gx, t, edges, x, begin, packs, segment, target_here, target_in_segment, has_edge, g);
@@ -208,9 +208,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   if (blocks > 1) cluster_sync();
   if (params.finish.partials == nullptr) return;
   if (threadIdx.x == 0) {
-    // Every block of a cluster computed each row's loss: rank 0's counts.
-    params.finish.partials[blockIdx.x] = rank == 0 ? block_ce : 0;
-    params.finish.partials[gridDim.x + blockIdx.x] = rank == 0 ? block_z : 0;
+    params.finish.partials[blockIdx.x] = block_ce;  // 0 but in rank 0
+    params.finish.partials[gridDim.x + blockIdx.x] = block_z;
   }
   finish_if_last_block(params.finish, scratch_sum);
 }
