@@ -680,29 +680,75 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     return (loss, lse.reshape(target.shape)) if return_lse else loss
 
 
+def log_prob_rows(x, weight, bias, target, ignore_index: int, softcap: float, temperature: float, stat_rows: int):
+    """A frozen head's forward (choose_schedule's "rows", as row_pass): a chunk of rows with every class at a time,
+    their statistics and d log p_t / d input for a grad_output of 1 (backward scales each row by its own), in x's
+    dtype: 2 products, where chunks of classes take 3 (the logits again in backward). Returns (stats, d input)."""
+    rows, vocab = x.shape[0], weight.shape[0]
+    stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
+    grad_x = torch.empty_like(x)
+    ones = torch.ones(rows, dtype=stats.dtype, device=x.device)
+    height = row_chunk_rows(vocab, x.element_size())
+    for first in range(0, rows, height):
+        end = min(first + height, rows)
+        z, t = F.linear(x[first:end], weight, bias), target[first:end]
+        chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device, stat_rows)  # contiguous, for the kernels
+        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap, temperature=temperature)
+        stats[:, first:end] = chunk_stats
+        softmax_stats = row_passes.softmax_stats_of(chunk_stats)
+        row_scale, _ = row_passes.log_prob_scales(ones[first:end], None, t, ignore_index, vocab, softmax_stats)
+        row_passes.write_gradient(z, z, t, 0, vocab, softmax_stats, row_scale, 0.0, 0.0, softcap, temperature)
+        _mm(z, weight, grad_x[first:end])
+        del z  # before the next chunk's logits: one chunk held at a time
+    return stats, grad_x
+
+
 class LinearLogProbsFunction(torch.autograd.Function):
     """log p of each row's target (and with return_entropy the softmax's entropy) of F.linear(x,
-    weight, bias) at a temperature, a chunk of classes at a time: the statistics in forward, the
-    logits recomputed in backward for the gradients of both (per-row weights are known only
-    there). options: (ignore_index, softcap or 0, temperature, return_entropy, shards, wants).
-    Returns row_passes.log_prob_outputs' (log_probs, entropy), in the accumulation type."""
+    weight, bias) at a temperature. weight and bias: of x's dtype, or float32 masters of a 2-byte x
+    under autocast (cast here, their gradients returned in their dtype). options: (ignore_index,
+    softcap or 0, temperature, return_entropy, shards, wants, schedule), schedule choose_schedule's:
+    "rows" (a frozen head): log_prob_rows, d input in the forward, backward scales it by the per-row
+    weights and recomputes the logits only for the entropy's gradient, if that is wanted; otherwise the
+    statistics a chunk of classes at a time and every gradient from the logits recomputed in backward
+    (per-row weights are known only there). Returns row_passes.log_prob_outputs' (log_probs, entropy),
+    in the accumulation type."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, options):
-        ignore_index, softcap, temperature, return_entropy, shards, wants = options
-        stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap, temperature,
-                            row_passes.ENTROPY_STAT_ROWS if return_entropy else row_passes.STAT_ROWS)
+        ignore_index, softcap, temperature, return_entropy, shards, wants, schedule = options
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        weight = weight.to(x.dtype)  # autocast's copy of a float32 master, as eager's F.linear makes
+        bias = None if bias is None else bias.to(x.dtype)
+        stat_rows = row_passes.ENTROPY_STAT_ROWS if return_entropy else row_passes.STAT_ROWS
+        if schedule == "rows":
+            stats, grad_x = log_prob_rows(x, weight, bias, target, ignore_index, softcap, temperature, stat_rows)
+            saved = (x, weight, bias, target, grad_x)
+        else:
+            stats = fold_linear(x, weight, bias, target, 0 if shards is None else shards.start, softcap,
+                                temperature, stat_rows)
+            saved = (x, weight, bias, target)
         stats, classes = row_passes.combine(stats, weight.shape[0], shards)
         return row_passes.log_probs_forward_outputs(ctx, options, stats, classes, target, ignore_index,
-                                                    return_entropy, (x, weight, bias, target))
+                                                    return_entropy, saved)
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         if grad_log_probs is None and grad_entropy is None:
             return None, None, None, None, None
-        ignore_index, softcap, temperature, _, shards, wants = ctx.options
+        ignore_index, softcap, temperature, _, shards, wants, schedule = ctx.options
         helpers.no_second_derivative("linear_log_probs")
-        x, weight, bias, target, softmax_stats, classes = row_passes.saved_tensors(ctx)
+        x, weight, bias, target, *in_forward, softmax_stats, classes = row_passes.saved_tensors(ctx)
+        if schedule == "rows":
+            grad_x = None if grad_log_probs is None else _times(in_forward[0], grad_log_probs[:, None])
+            if grad_entropy is not None:  # the entropy's term: the logits again, by chunks of classes
+                zeros = torch.zeros(target.shape[0], dtype=softmax_stats.dtype, device=x.device)
+                _, entropy_scale = row_passes.log_prob_scales(None, grad_entropy, target, ignore_index, classes,
+                                                              softmax_stats)
+                grad_h = linear_gradients(x, weight, bias, target, 0, classes, softmax_stats, zeros, 0.0, 0.0,
+                                          softcap, wants, temperature, entropy_scale)[0]
+                grad_x = grad_h if grad_x is None else grad_h + grad_x
+            return grad_x.to(x.dtype), None, None, None, None
         row_scale, entropy_scale = row_passes.log_prob_scales(grad_log_probs, grad_entropy, target, ignore_index,
                                                               classes, softmax_stats)
         grad_x, grad_w, grad_b = linear_gradients(x, weight, bias, target, 0 if shards is None else shards.start,
@@ -712,8 +758,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
             shards.sum_over_group(grad_x)  # every rank's classes add to it
         if shards is not None:
             shards.raise_if_invalid()
-        return (None if grad_x is None else grad_x.to(x.dtype), grad_w,
-                None if grad_b is None else grad_b.to(bias.dtype), None, None)
+        return (None if grad_x is None else grad_x.to(x.dtype), None if grad_w is None else grad_w.to(ctx.dtypes[0]),
+                None if grad_b is None else grad_b.to(ctx.dtypes[1]), None, None)
 
 
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
@@ -739,14 +785,21 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     except ValueError as error:  # with process_group: raised on every rank
         vocab_parallel.raise_on_every_rank(process_group, input, error)
     weight, bias = linear_weight, linear_bias  # the engine's names: weight is the linear layer's
-    rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
-    shards = (None if process_group is None else
-              vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows, rows.shape[1]))
-    wants = tuple(helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias))
-    values, entropy = LinearLogProbsFunction.apply(rows, weight, bias, rows_target, (
-        int(ignore_index), float(softcap or 0.0), float(temperature), bool(return_entropy), shards, wants))
-    if shards is not None and not any(wants):  # else backward raises, after its all-reduce
-        shards.raise_if_invalid()
+    if helpers.under_autocast(input):  # F.linear in autocast's dtype (the Function casts weight), as linear_cross_entropy
+        input = input.to(helpers.autocast_dtype())
+    with torch.autocast(input.device.type, enabled=False):  # backward's products in the forward's dtype too
+        rows, rows_target = input.reshape(-1, input.shape[-1]), target.reshape(-1).contiguous()
+        shards = (None if process_group is None else
+                  vocab_parallel.Shards(process_group, weight.shape[0], vocab_start, rows, rows.shape[1]))
+        wants = tuple(helpers.wants_grad(tensor) if tensor is not None else False for tensor in (rows, weight, bias))
+        # A frozen head's d input in the forward (eager: a compiled graph keeps the chunks of classes).
+        schedule = "classes" if helpers.is_compiling() else choose_schedule(wants, "none", weight.dtype, rows.dtype,
+                                                                            shards, softcap or 0.0)
+        values, entropy = LinearLogProbsFunction.apply(rows, weight, bias, rows_target, (
+            int(ignore_index), float(softcap or 0.0), float(temperature), bool(return_entropy), shards, wants,
+            schedule))
+        if shards is not None and not any(wants):  # else backward raises, after its all-reduce
+            shards.raise_if_invalid()
     values = values.reshape(target.shape)
     return (values, entropy.reshape(target.shape)) if return_entropy else values
 

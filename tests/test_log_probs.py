@@ -146,13 +146,16 @@ def test_bad_targets_are_refused():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("temperature,softcap", [(1.0, 0.0), (0.7, 0.0), (0.7, 30.0)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_log_probs_match_float64(device, dtype, temperature, softcap, bias, small_chunks):
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_linear_log_probs_match_float64(device, dtype, temperature, softcap, bias, head, small_chunks):
     """linear_log_probs against log_softmax of F.linear in float64: values and the gradients of input,
-    weight and bias under per-token weights on both outputs, chunks of a few classes (small_chunks)."""
+    weight and bias under per-token weights on both outputs, chunks of a few classes or rows (small_chunks).
+    A frozen head's d input comes from the forward (choose_schedule's "rows"), the entropy's term from the
+    logits made again in backward."""
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 16, generator=generator).to(dtype).to(device).requires_grad_()
-    w = (torch.randn(45, 16, generator=generator) / 2).to(dtype).to(device).requires_grad_()
-    b = torch.randn(45, generator=generator).to(dtype).to(device).requires_grad_() if bias else None
+    w = (torch.randn(45, 16, generator=generator) / 2).to(dtype).to(device).requires_grad_(head == "trained")
+    b = torch.randn(45, generator=generator).to(dtype).to(device).requires_grad_(head == "trained") if bias else None
     target = torch.randint(0, 45, (2, 5), generator=generator)
     target[0, 1] = -100
     target = target.to(device)
@@ -169,7 +172,7 @@ def test_linear_log_probs_match_float64(device, dtype, temperature, softcap, bia
     weights = torch.rand(target.shape, generator=generator, dtype=torch.float64).to(device)
     ((ours * weights.to(ours.dtype)).sum() - (entropy * weights.flip(1).to(ours.dtype)).sum()).backward()
     ((theirs * weights).sum() - (their_entropy * weights.flip(1)).sum()).backward()
-    for mine, truth in zip([t for t in (x, w, b) if t is not None], leaves):
+    for mine, truth in zip([t for t in (x, w, b) if t is not None and t.requires_grad], leaves):
         assert mine.grad.dtype == dtype and rel_err(mine.grad, truth.grad) <= 2 * GRAD_RTOL[dtype]
 
 
@@ -311,10 +314,12 @@ def test_compiles_whole(device, linear):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("linear", [False, True], ids=["log_probs", "linear_log_probs"])
-def test_a_cuda_graph_replays_on_new_inputs(linear):
+@pytest.mark.parametrize("linear,head", [(False, "trained"), (True, "trained"), (True, "frozen")],
+                         ids=["log_probs", "linear_log_probs", "linear_log_probs, frozen head"])
+def test_a_cuda_graph_replays_on_new_inputs(linear, head):
     """A GRPO-like step and its gradients captured in a CUDA graph (no host sync, nothing allocated outside
-    its pool) and replayed on new hidden states, head, targets and advantages: eager's values and gradients."""
+    its pool) and replayed on new hidden states, head, targets and advantages: eager's values and gradients.
+    A frozen head's d input comes from the forward."""
     def fresh():
         target = torch.randint(0, 1000, (64,), device="cuda").masked_fill(torch.rand(64, device="cuda") < 0.2, -100)
         return [torch.randn(64, 32, device="cuda"), torch.randn(1000, 32, device="cuda") / 6, target,
@@ -322,16 +327,42 @@ def test_a_cuda_graph_replays_on_new_inputs(linear):
 
     step = functools.partial(grpo_step, linear)
     static = fresh()
-    static[0].requires_grad_()
-    static[1].requires_grad_()
-    graph, static_loss, static_grads = capture_step(step, static, (0, 1), None)
+    grad_of = (0, 1) if head == "trained" else (0,)
+    for index in grad_of:
+        static[index].requires_grad_()
+    graph, static_loss, static_grads = capture_step(step, static, grad_of, None)
     for _ in range(3):
         new = fresh()
         with torch.no_grad():
             for static_tensor, new_tensor in zip(static, new):
                 static_tensor.copy_(new_tensor)
         graph.replay()
-        eager_loss, eager_grads = loss_and_grads(step, new, (0, 1))
+        eager_loss, eager_grads = loss_and_grads(step, new, grad_of)
         torch.testing.assert_close(static_loss, eager_loss)
         for static_grad, eager_grad in zip(static_grads, eager_grads):
             torch.testing.assert_close(static_grad, eager_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_linear_log_probs_under_autocast(head):
+    """Under CUDA autocast (bfloat16), float32 hidden states and head: the products run in bfloat16, forward
+    and backward, as linear_cross_entropy's. The outputs and gradients are those of the call on bfloat16
+    copies, bit for bit (backward used to make the logits again in float32)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 64, generator=generator).cuda()
+    w = (torch.randn(5000, 64, generator=generator) / 8).cuda()
+    target = torch.randint(0, 5000, (300,), generator=generator).cuda()
+    weights = torch.randn(300, generator=generator).cuda()
+    results = []
+    for autocast in (True, False):
+        leaves = [t.detach().clone() if autocast else t.detach().bfloat16() for t in (x, w)]
+        for leaf in leaves[:2 if head == "trained" else 1]:
+            leaf.requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            values, entropy = losses.linear_log_probs(*leaves, target, temperature=0.7, return_entropy=True)
+        ((values * weights).sum() + entropy.mean()).backward()
+        results.append([values, entropy] + [leaf.grad.float() for leaf in leaves if leaf.requires_grad])
+    assert results[0][0].dtype == torch.float32
+    for under_autocast, on_copies in zip(*results):
+        assert torch.equal(under_autocast, on_copies)
