@@ -46,10 +46,20 @@ else:  # a plain folder on sys.path, or `python loader.py`
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNELS = ("cross_entropy", "kl_div", "mse", "row_passes")
+# Built only when asked for by name, for arch "9.0a" (their wgmma code runs on cc 9.0 only;
+# other archs build a launcher that refuses): the sm_90a product (scratch/gemm_plan.md).
+SM90A_KERNELS = ("linear_ce_gemm",)
 # The dtypes a build can hold, by name, with kernels/ops.h's DType codes.
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 EXTRA_CFLAGS = ["-O3"]
 EXTRA_CUDA_CFLAGS = ["-O3", "-lineinfo"]
+# More nvcc flags for every build, space-separated, part of the cache key: e.g.
+# "-Xptxas -v" (registers and spills, shown with verbose=True) or "-DFUSED_LOSSES_GEMM_DEBUG=1".
+NVCC_FLAGS_ENV = "FUSED_LOSSES_NVCC_FLAGS"
+
+
+def env_cuda_cflags() -> list[str]:
+    return os.environ.get(NVCC_FLAGS_ENV, "").split()
 BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
 
 _loaded: dict[tuple[str, str, str], object] = {}  # (kernel name, dtype, arch) -> the build's module
@@ -117,7 +127,7 @@ def kernel_sources(name: str) -> dict[str, str]:
     either includes (recursively), by path relative to kernels/ ("cross_entropy/row_math.cuh")."""
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
-        raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
+        raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS + SM90A_KERNELS)})")
     sources = {"main.cpp": bindings(name)}
     pending = [path, *_included_headers(sources["main.cpp"])]
     while pending:
@@ -428,7 +438,8 @@ def _build(name: str, dtype: str, arch: str, ext_name: str, build_dir: Path, sou
             cpp_sources=[sources["main.cpp"]],
             cuda_sources=[sources[f"{name}.cu"]],
             extra_cflags=EXTRA_CFLAGS,
-            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + _nvcc_flags + [gencode_flag(arch), f"-DFUSED_LOSSES_DTYPE={DTYPES[dtype]}"],
+            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + env_cuda_cflags() + _nvcc_flags
+            + [gencode_flag(arch), f"-DFUSED_LOSSES_DTYPE={DTYPES[dtype]}"],
             extra_include_paths=[str(KERNEL_DIR)],
             extra_ldflags=list(_extra_ldflags),
             build_directory=str(build_dir),
@@ -457,7 +468,8 @@ def _build(name: str, dtype: str, arch: str, ext_name: str, build_dir: Path, sou
 def _open_build(name: str, dtype: str, arch: str, verbose: bool = False):
     """Imports the build of `name` for `dtype` and `arch`, building it first if needed."""
     sources = kernel_sources(name)
-    ext_name = extension_name(name, dtype, arch, cache_key(sources, arch, dtype))
+    ext_name = extension_name(name, dtype, arch,
+                              cache_key(sources, arch, dtype, cuda_cflags=EXTRA_CUDA_CFLAGS + env_cuda_cflags()))
     if ext_name in _loaded_extensions:
         return _loaded_extensions[ext_name]
     root = cache_root()
@@ -537,7 +549,8 @@ def build(archs, names=KERNELS, dtypes=tuple(DTYPES), verbose: bool = False) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Build the fused loss kernels ahead of time (no GPU needed).")
     parser.add_argument("--arch", nargs="+", required=True, help="GPU archs, e.g. 8.0 9.0")
-    parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS + SM90A_KERNELS,
+                        help=f"default: {' '.join(KERNELS)}; {' '.join(SM90A_KERNELS)} only when named (arch 9.0a)")
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = parser.parse_args(argv)

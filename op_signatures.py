@@ -73,6 +73,11 @@ KERNEL_OPS = {
                      "Tensor? class_count, Tensor softmax_stats, Tensor row_scale, float label_smoothing, "
                      "float z_loss, float softcap, float temperature, Tensor? entropy_scale) -> ()"),
     },
+    # sm_90a only (loader.SM90A_KERNELS), for the tests and the benchmark: a @ b.T, 2-byte
+    # operands; max_blocks > 0 caps the persistent grid, 0: one block a multiprocessor.
+    "linear_ce_gemm": {
+        "gemm_nt": "(Tensor a, Tensor b, int max_blocks) -> Tensor",
+    },
 }
 
 # What the build binds beyond KERNEL_OPS, with its schema (None: bound without argument names):

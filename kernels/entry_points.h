@@ -547,4 +547,44 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
   run_kernels([&] { logit_chunk_gradient_launch(call, context.launch()); });
 }
 
+// ---------------------------------------------------------------------------------
+// linear_ce_gemm (sm_90a only): a @ b.T for 2-byte a (m, k) and b (n, k) with K contiguous (row
+// strides may exceed k), into a new contiguous (m, n) tensor. max_blocks > 0 caps the persistent
+// grid (tests); 0: one block a multiprocessor.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_PARAMS) {
+  TORCH_CHECK(a.is_cuda() && a.dim() == 2 && b.dim() == 2 && b.device() == a.device() && a.size(1) == b.size(1),
+              "gemm_nt: a (m, k) and b (n, k) must be 2-D CUDA tensors on one device with the same k");
+  TORCH_CHECK_VALUE((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) &&
+                        b.scalar_type() == a.scalar_type(),
+                    "gemm_nt: a and b must both be bfloat16 or both float16, got ", a.scalar_type(), " and ",
+                    b.scalar_type());
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  // A single row's stride is never stepped: any value a 16 B-aligned copy accepts will do.
+  const int64_t lda = m == 1 ? k : a.stride(0), ldb = n == 1 ? k : b.stride(0);
+  TORCH_CHECK_VALUE((k == 0 || a.stride(1) == 1 || m == 0) && (k == 0 || b.stride(1) == 1 || n == 0),
+                    "gemm_nt: a and b must be contiguous along k");
+  at::Tensor c = at::empty({m, n}, a.options());
+  if (m == 0 || n == 0) return c;
+  if (k == 0) return c.zero_();
+  TORCH_CHECK_VALUE(k % 8 == 0 && lda % 8 == 0 && ldb % 8 == 0 && reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
+                    "gemm_nt: k and the row strides must be multiples of 8 and a, b 16 B-aligned (the copy "
+                    "engine moves 16 B-aligned rows); got k ", k, ", row strides ", lda, " and ", ldb);
+  CallContext context(a);
+  GemmCall call{};
+  call.dtype = dtype_of(a);
+  call.m = m;
+  call.n = n;
+  call.k = k;
+  call.a = a.data_ptr();
+  call.lda = lda;
+  call.b = b.data_ptr();
+  call.ldb = ldb;
+  call.c = c.data_ptr();
+  call.ldc = n;
+  call.max_blocks = max_blocks;
+  run_kernels([&] { gemm_nt_launch(call, context.launch()); });
+  return c;
+}
+
 }  // namespace fused_losses

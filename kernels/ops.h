@@ -131,4 +131,21 @@ struct LogitChunkCall {
 void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context);
 void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext& context);
 
+// C = A B^T on sm_90a (linear_ce_gemm.cu): A (m, k) and B (n, k) with row strides lda, ldb
+// (elements, K contiguous), C (m, n) with row stride ldc, all of `dtype` (float16 or bfloat16).
+// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it).
+struct GemmCall {
+  DType dtype;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  void* c;
+  int64_t ldc;
+  int64_t max_blocks;
+};
+
+void gemm_nt_launch(const GemmCall& call, const LaunchContext& context);
+
 }  // namespace fused_losses
