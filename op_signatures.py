@@ -74,9 +74,10 @@ KERNEL_OPS = {
                      "float z_loss, float softcap, float temperature, Tensor? entropy_scale) -> ()"),
     },
     # sm_90a only (loader.SM90A_KERNELS), for the tests and the benchmark: a @ b.T, 2-byte
-    # operands; max_blocks > 0 caps the persistent grid, 0: one block a multiprocessor.
+    # operands, into out when given (returned); max_blocks > 0 caps the persistent grid, 0: one
+    # block a multiprocessor.
     "linear_ce_gemm": {
-        "gemm_nt": "(Tensor a, Tensor b, int max_blocks) -> Tensor",
+        "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks) -> Tensor",
     },
 }
 
@@ -86,7 +87,7 @@ EXTRA_BINDINGS = {"cross_entropy": {"cross_entropy_path": KERNEL_OPS["cross_entr
                                     "force_cross_entropy_path": None}}
 
 _CPP_TYPES = {"Tensor": "const at::Tensor&", "Tensor?": "const c10::optional<at::Tensor>&", "Tensor(a!)": "at::Tensor",
-              "Tensor(b!)": "at::Tensor",
+              "Tensor(b!)": "at::Tensor", "Tensor(a!)?": "const c10::optional<at::Tensor>&",
               "int": "int64_t", "float": "double", "bool": "bool"}
 
 

@@ -549,8 +549,9 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
 
 // ---------------------------------------------------------------------------------
 // linear_ce_gemm (sm_90a only): a @ b.T for 2-byte a (m, k) and b (n, k) with K contiguous (row
-// strides may exceed k), into a new contiguous (m, n) tensor. max_blocks > 0 caps the persistent
-// grid (tests); 0: one block a multiprocessor.
+// strides may exceed k), into `out` ((m, n), columns contiguous, rows at any stride; returned)
+// or else a new contiguous (m, n) tensor. max_blocks > 0 caps the persistent grid (tests); 0:
+// one block a multiprocessor.
 inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_PARAMS) {
   TORCH_CHECK(a.is_cuda() && a.dim() == 2 && b.dim() == 2 && b.device() == a.device() && a.size(1) == b.size(1),
               "gemm_nt: a (m, k) and b (n, k) must be 2-D CUDA tensors on one device with the same k");
@@ -563,7 +564,15 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_
   const int64_t lda = m == 1 ? k : a.stride(0), ldb = n == 1 ? k : b.stride(0);
   TORCH_CHECK_VALUE((k == 0 || a.stride(1) == 1 || m == 0) && (k == 0 || b.stride(1) == 1 || n == 0),
                     "gemm_nt: a and b must be contiguous along k");
-  at::Tensor c = at::empty({m, n}, a.options());
+  at::Tensor c;
+  if (out.has_value() && out->defined()) {
+    c = *out;
+    TORCH_CHECK_VALUE(c.dim() == 2 && c.size(0) == m && c.size(1) == n && c.scalar_type() == a.scalar_type() &&
+                          c.device() == a.device() && (c.stride(1) == 1 || n <= 1) && (c.stride(0) >= n || m <= 1),
+                      "gemm_nt: out must be (m, n) of a's dtype and device, contiguous along n");
+  } else {
+    c = at::empty({m, n}, a.options());
+  }
   if (m == 0 || n == 0) return c;
   if (k == 0) return c.zero_();
   TORCH_CHECK_VALUE(k % 8 == 0 && lda % 8 == 0 && ldb % 8 == 0 && reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
@@ -581,7 +590,7 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_
   call.b = b.data_ptr();
   call.ldb = ldb;
   call.c = c.data_ptr();
-  call.ldc = n;
+  call.ldc = m == 1 ? n : c.stride(0);
   call.max_blocks = max_blocks;
   run_kernels([&] { gemm_nt_launch(call, context.launch()); });
   return c;

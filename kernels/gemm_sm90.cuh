@@ -180,8 +180,9 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
-#define FUSED_LOSSES_WGMMA_D8(i) \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FUSED_LOSSES_WGMMA_D8(i)                                                            \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FUSED_LOSSES_WGMMA_D128                                                                             \
   FUSED_LOSSES_WGMMA_D8(0), FUSED_LOSSES_WGMMA_D8(8), FUSED_LOSSES_WGMMA_D8(16), FUSED_LOSSES_WGMMA_D8(24),   \
       FUSED_LOSSES_WGMMA_D8(32), FUSED_LOSSES_WGMMA_D8(40), FUSED_LOSSES_WGMMA_D8(48), FUSED_LOSSES_WGMMA_D8(56), \
@@ -301,7 +302,8 @@ __device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[128], unsi
     for (int i = 0; i < 8; ++i) {
       const int r = 2 * i + lane / 16;
       const int chunk = lane % 16;
-      const uint4 value = *reinterpret_cast<const uint4*>(staging + r * kGemmStagingRowBytes + ((chunk ^ (r % 8)) * 16));
+      const int offset = r * kGemmStagingRowBytes + ((chunk ^ (r % 8)) * 16);
+      const uint4 value = *reinterpret_cast<const uint4*>(staging + offset);
       const int row = row0 + r;
       const int col = col0 + 128 * half + 8 * chunk;
       if (row >= tiles.m || col >= tiles.n) continue;
@@ -312,7 +314,8 @@ __device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[128], unsi
         const uint32_t words[4] = {value.x, value.y, value.z, value.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          if (col + e < tiles.n) reinterpret_cast<uint16_t*>(out)[e] = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
+          const uint16_t element = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
+          if (col + e < tiles.n) reinterpret_cast<uint16_t*>(out)[e] = element;
         }
       }
     }
