@@ -1,0 +1,94 @@
+"""Our sm_90a gemm_nt (kernels/gemm_sm90.cuh) against torch.mm (cuBLAS) on an H100/H200.
+
+    python scripts/gemm_bench.py                      # bf16, the plan's three shapes
+    python scripts/gemm_bench.py --dtype float16 --shapes 4096x4096x4096
+    python scripts/gemm_bench.py --debug              # barrier waits trap instead of hanging
+
+Per shape M x N x K (C = A B^T, A: M x K, B: N x K, both K-contiguous): CUDA-event time of each
+run after warm-up, median of --runs; TFLOP/s = 2 M N K / time; ours / torch; whether 3 runs of
+ours gave the same bits; our error norm against a float64 product of a row slice vs torch's.
+The third default shape has d input's sizes (8192 x 4096 x 128256), but as an NT product.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = ["8192x128256x4096", "4096x4096x4096", "8192x4096x128256"]
+
+
+def timed_median(fn, runs: int, warmup: int) -> float:
+    """Median milliseconds of `runs` calls of fn, each between its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+
+
+def slice_errors(ours, theirs, a, b, rows: int = 256):
+    """Error norms of ours and of torch's against float64, over the first `rows` rows."""
+    truth = a[:rows].double() @ b.double().T
+    return ((ours[:rows].double() - truth).norm().item(), (theirs[:rows].double() - truth).norm().item())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="MxNxK")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--debug", action="store_true", help="build with -DFUSED_LOSSES_GEMM_DEBUG=1")
+    args = parser.parse_args(argv)
+    if args.debug:
+        os.environ["FUSED_LOSSES_NVCC_FLAGS"] = (os.environ.get("FUSED_LOSSES_NVCC_FLAGS", "") +
+                                                " -DFUSED_LOSSES_GEMM_DEBUG=1").strip()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("needs a compute capability 9.0 GPU (H100, H200)", file=sys.stderr)
+        return 1
+    import loader
+
+    dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
+    ops = loader.load("linear_ce_gemm", dtype, arch="9.0a")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; "
+          f"load (build on first use) {time.perf_counter() - started:.1f} s")
+    print(f"{'M x N x K':>22} {'ours ms':>9} {'torch ms':>9} {'ours TF/s':>10} {'torch TF/s':>11} {'ratio':>6} "
+          f"{'bits':>5} {'err ours/torch':>15}")
+    for shape in args.shapes:
+        m, n, k = (int(part) for part in shape.lower().split("x"))
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, k, device="cuda", dtype=dtype)
+        ours = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        theirs = torch.empty(m, n, device="cuda", dtype=dtype)
+        ops.gemm_nt(a, b, ours, 0)
+        first = ours.clone()
+        same_bits = all(torch.equal(ops.gemm_nt(a, b, ours, 0), first) for _ in range(2))
+        ours_ms = timed_median(lambda: ops.gemm_nt(a, b, ours, 0), args.runs, args.warmup)
+        torch_ms = timed_median(lambda: torch.mm(a, b.T, out=theirs), args.runs, args.warmup)
+        our_error, their_error = slice_errors(ours, theirs, a, b)
+        flop = 2 * m * n * k
+        print(f"{shape:>22} {ours_ms:9.3f} {torch_ms:9.3f} {flop / ours_ms / 1e9:10.1f} "
+              f"{flop / torch_ms / 1e9:11.1f} {torch_ms / ours_ms:6.3f} {'same' if same_bits else 'DIFF':>5} "
+              f"{our_error / their_error:15.3f}")
+        del a, b, ours, theirs, first
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
