@@ -56,10 +56,6 @@ EXTRA_CUDA_CFLAGS = ["-O3", "-lineinfo"]
 # More nvcc flags for every build, space-separated, part of the cache key: e.g.
 # "-Xptxas -v" (registers and spills, shown with verbose=True) or "-DFUSED_LOSSES_GEMM_DEBUG=1".
 NVCC_FLAGS_ENV = "FUSED_LOSSES_NVCC_FLAGS"
-
-
-def env_cuda_cflags() -> list[str]:
-    return os.environ.get(NVCC_FLAGS_ENV, "").split()
 BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
 
 _loaded: dict[tuple[str, str, str], object] = {}  # (kernel name, dtype, arch) -> the build's module
@@ -175,6 +171,11 @@ def device_arch(device: torch.device | int | None = None) -> str:
 def gencode_flag(arch: str) -> str:
     digits = arch.replace(".", "")
     return f"-gencode=arch=compute_{digits},code=sm_{digits}"
+
+
+def env_cuda_cflags() -> list[str]:
+    """$FUSED_LOSSES_NVCC_FLAGS, split: added to every build's nvcc flags and to its cache key."""
+    return os.environ.get(NVCC_FLAGS_ENV, "").split()
 
 
 def cache_key(sources: dict[str, str], arch: str, dtype: str = "float32", cflags=EXTRA_CFLAGS,
