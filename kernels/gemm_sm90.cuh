@@ -180,6 +180,13 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
+// Why: the wgmma's asm names the sums as outputs where it is issued, not where wgmma_wait
+// finishes it; this marks them written here, so no read of them moves above the wait.
+__device__ __forceinline__ void accumulators_ready(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 #define FUSED_LOSSES_WGMMA_D8(i)                                                            \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -351,6 +358,7 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
       if (k_block > 0 && releases) gemm_mbarrier_arrive(&shared.empty[stage_of(step - 1)]);
     }
     wgmma_wait<0>();
+    accumulators_ready(d);
     if (releases) gemm_mbarrier_arrive(&shared.empty[stage_of(step - 1)]);
     gemm_store_warp_rows<T>(d, staging, c, tiles, tile.m * kGemmTileM + 64 * consumer + 16 * warp,
                             tile.n * kGemmTileN);
@@ -359,10 +367,14 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
 
 #endif  // FUSED_LOSSES_GEMM_SM90A
 
-// Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536.
+// Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512, all that the block got at launch
+// (384 threads x 168, ptxas's count for __launch_bounds__(384, 1)); more and setmaxnreg.inc waits forever.
 constexpr int kGemmProducerRegisters = 40;
 constexpr int kGemmConsumerRegisters = 232;
-static_assert(128 * kGemmProducerRegisters + 128 * kGemmConsumers * kGemmConsumerRegisters <= 65536, "registers");
+constexpr int kGemmLaunchRegisters = 168;
+static_assert(128 * kGemmProducerRegisters + 128 * kGemmConsumers * kGemmConsumerRegisters <=
+                  kGemmThreads * kGemmLaunchRegisters,
+              "setmaxnreg's split exceeds the block's registers at launch");
 
 // Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, 256}, 128 B swizzle.
 // CUtensorMap is a CUDA 12 type (cuda.h); CUDA 11.8 builds have no kernel (the launcher refuses).
