@@ -78,6 +78,8 @@ KERNEL_OPS = {
     # block a multiprocessor.
     "linear_ce_gemm": {
         "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks) -> Tensor",
+        "row_stats": ("(Tensor a, Tensor b, Tensor? bias, Tensor target, float softcap, float temperature, "
+                      "int stat_rows, int max_blocks) -> Tensor"),
     },
 }
 

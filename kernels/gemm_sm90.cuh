@@ -27,6 +27,7 @@
 #include <cuda.h>  // CUtensorMap (header only: no libcuda link)
 #endif
 
+#include "device.cuh"
 #include "sm90.cuh"
 
 // The arch-specific instructions (wgmma, setmaxnreg) are in this build only for compute_90a;
@@ -330,12 +331,141 @@ __device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[128], unsi
   }
 }
 
+#endif  // FUSED_LOSSES_GEMM_SM90A
+
+// The fused product's epilogue (DESIGN.md, "The fused product"): instead of C, each row's
+// statistics over the tile's 256 columns, in the row passes' form (row_passes.cu: max m, sum of
+// exp(u - m), the target's u, the sum of u, the sum of exp over the classes other than the
+// target; with 6 rows also sum exp(u - m) (u - m)) of u = softcap(round(acc + bias)) / T, the
+// logit rounded to T first as a product's output is, so the statistics are those of eager's
+// logits. partials: (tiles_n, stat_rows, m) float32, every entry written; combining the tiles is
+// the caller's (a vocabulary shard's combine, across tiles).
+static_assert(kGemmRowStatsTile == kGemmTileN, "ops.h's tile width is the kernel's");
+
+#if FUSED_LOSSES_GEMM_SM90A
+
+// Why: the epilogue's logits must be the product's output, rounded to T, not float32 sums.
+template <typename T>
+__device__ __forceinline__ void round_pair_to(float& lo, float& hi) {
+  const uint32_t pair = pack_pair<T>(lo, hi);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    lo = __uint_as_float(pair << 16);
+    hi = __uint_as_float(pair & 0xffff0000u);
+  } else {
+    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(pair));
+  }
+}
+
+// A consumer warp's 16 rows of one tile into partials[tile_n]: a lane holds rows r = lane / 4 and
+// r + 8, 64 columns each (gemm_store_warp_rows' layout); its quad (4 lanes) holds a row's 256.
+// Two passes over the registers: u written over the sums and the max, then the sums; each
+// reduced over the quad (the same bits in its 4 lanes: max and + commute), written by lane % 4 == 0.
+template <typename T>
+__device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const GemmRowStats& out,
+                                                         const GemmTiles& tiles, int row0, int col0, int tile_n) {
+  const int lane = threadIdx.x % 32;
+  const Softcap<T> softcap(out.softcap);
+  const float s = out.inverse_temperature;
+  const T* bias = static_cast<const T*>(out.bias);
+#pragma unroll
+  for (int upper = 0; upper < 2; ++upper) {
+    const int row = row0 + lane / 4 + 8 * upper;
+    const bool row_ok = row < tiles.m;
+    const int64_t t = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;  // in the tile
+    float m = -infinity<float>();
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane % 4);
+      float lo = d[4 * j + 2 * upper], hi = d[4 * j + 2 * upper + 1];
+      if (bias != nullptr) {
+        lo += col < tiles.n ? static_cast<float>(bias[col]) : 0.f;
+        hi += col + 1 < tiles.n ? static_cast<float>(bias[col + 1]) : 0.f;
+      }
+      round_pair_to<T>(lo, hi);
+      lo = softcap.apply(lo) * s;
+      hi = softcap.apply(hi) * s;
+      d[4 * j + 2 * upper] = lo;
+      d[4 * j + 2 * upper + 1] = hi;
+      if (col < tiles.n) m = max_acc(m, lo);
+      if (col + 1 < tiles.n) m = max_acc(m, hi);
+    }
+    m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float sum = 0.f, others = 0.f, target_u = 0.f, logit_sum = 0.f, spread = 0.f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int within = 8 * j + 2 * (lane % 4) + e;
+        if (col0 + within >= tiles.n) continue;
+        const float u = d[4 * j + 2 * upper + e];
+        const float ex = u == -infinity<float>() ? 0.f : exp_minus<T>(u, m);
+        sum += ex;
+        logit_sum += u;
+        if (within == t) {
+          target_u = u;
+        } else {
+          others += ex;
+        }
+        if (ex != 0.f) spread += ex * (u - m);
+      }
+    }
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask *= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+      others += __shfl_xor_sync(0xffffffffu, others, mask);
+      target_u += __shfl_xor_sync(0xffffffffu, target_u, mask);
+      logit_sum += __shfl_xor_sync(0xffffffffu, logit_sum, mask);
+      spread += __shfl_xor_sync(0xffffffffu, spread, mask);
+    }
+    if (lane % 4 != 0 || !row_ok) continue;
+    float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
+    partial[0] = m;
+    partial[int64_t(tiles.m)] = sum;
+    partial[2 * int64_t(tiles.m)] = target_u;
+    partial[3 * int64_t(tiles.m)] = logit_sum;
+    partial[4 * int64_t(tiles.m)] = others;
+    if (out.stat_rows == 6) partial[5 * int64_t(tiles.m)] = spread;
+  }
+}
+
+#endif  // FUSED_LOSSES_GEMM_SM90A
+
+// What a consumer warp does with its 16 x 256 sums of a tile: store them into C, or fold them
+// into the rows' statistics.
+template <typename T>
+struct GemmStoreTile {
+  T* c;
+#if FUSED_LOSSES_GEMM_SM90A
+  __device__ __forceinline__ void operator()(float (&d)[128], unsigned char* staging, const GemmTiles& tiles, int row0,
+                                             int col0, int) const {
+    gemm_store_warp_rows<T>(d, staging, c, tiles, row0, col0);
+  }
+#endif
+};
+
+template <typename T>
+struct GemmRowStatsTile {
+  GemmRowStats out;
+#if FUSED_LOSSES_GEMM_SM90A
+  __device__ __forceinline__ void operator()(float (&d)[128], unsigned char*, const GemmTiles& tiles, int row0,
+                                             int col0, int tile_n) const {
+    gemm_row_stats_warp_rows<T>(d, out, tiles, row0, col0, tile_n);
+  }
+#endif
+};
+
+#if FUSED_LOSSES_GEMM_SM90A
+
 // A consumer warpgroup: rows [64 consumer, 64 consumer + 64) of every tile. Each K block: wait
 // for its stage, issue 4 wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the
 // 128 B swizzle span), commit, and wait until only this group runs; the previous block's stage
 // is then read no more and each warp frees it (8 arrivals a stage).
-template <typename T>
-__device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared, T* c) {
+template <typename T, typename Epilogue>
+__device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared,
+                                             const Epilogue& epilogue) {
   const int warp = (threadIdx.x % 128) / 32;
   const bool releases = threadIdx.x % 32 == 0;
   unsigned char* staging = shared.staging + (4 * consumer + warp) * kGemmStagingWarpBytes;
@@ -360,8 +490,7 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
     wgmma_wait<0>();
     accumulators_ready(d);
     if (releases) gemm_mbarrier_arrive(&shared.empty[stage_of(step - 1)]);
-    gemm_store_warp_rows<T>(d, staging, c, tiles, tile.m * kGemmTileM + 64 * consumer + 16 * warp,
-                            tile.n * kGemmTileN);
+    epilogue(d, staging, tiles, tile.m * kGemmTileM + 64 * consumer + 16 * warp, tile.n * kGemmTileN, tile.n);
   }
 }
 
@@ -379,10 +508,11 @@ static_assert(128 * kGemmProducerRegisters + 128 * kGemmConsumers * kGemmConsume
 // Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, 256}, 128 B swizzle.
 // CUtensorMap is a CUDA 12 type (cuda.h); CUDA 11.8 builds have no kernel (the launcher refuses).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
-template <typename T>
+// Epilogue: GemmStoreTile<T> (C = A B^T) or GemmRowStatsTile<T> (the rows' statistics).
+template <typename T, typename Epilogue>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_nt_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                   const GemmTiles tiles, T* c) {
+                   const GemmTiles tiles, const Epilogue epilogue) {
 #if FUSED_LOSSES_GEMM_SM90A
   extern __shared__ unsigned char shared_raw[];
   unsigned char* base = align_shared<kGemmSmemAlign>(shared_raw);
@@ -405,7 +535,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if (threadIdx.x == 0) gemm_produce(&a_map, &b_map, tiles, shared);
   } else {
     registers_increase<kGemmConsumerRegisters>();
-    gemm_consume<T>(warpgroup - 1, tiles, shared, c);
+    gemm_consume<T>(warpgroup - 1, tiles, shared, epilogue);
   }
 #else
   __trap();

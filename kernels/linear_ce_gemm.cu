@@ -99,23 +99,25 @@ int group_for(int64_t grid, int tiles_m) {
   return group < tiles_m ? group : tiles_m;
 }
 
-}  // namespace
-
-void gemm_nt_launch(const GemmCall& call, const LaunchContext& context) {
+// The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T,
+// Epilogue> over call's tiles; make_epilogue(T tag) gives the epilogue.
+template <typename MakeEpilogue>
+void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogue make_epilogue) {
+  // Literal messages only: a std::string thrown from an extension crashed one toolchain (notes, v54).
   check(device_is_sm90(context.device),
-        "gemm_nt runs on compute capability 9.0 only (H100, H200): its wgmma code is sm_90a");
+        "linear_ce_gemm's products run on compute capability 9.0 only (H100, H200): their wgmma code is sm_90a");
   check(build_is_sm90a(context.device),
-        "gemm_nt was built without sm_90a (load it with loader.load('linear_ce_gemm', dtype, arch='9.0a'))");
+        "linear_ce_gemm was built without sm_90a (load it with loader.load('linear_ce_gemm', dtype, arch='9.0a'))");
   if (call.m == 0 || call.n == 0) return;
   if (call.dtype != DType::kBFloat16 && call.dtype != DType::kFloat16) {
-    throw std::invalid_argument("fused_losses: gemm_nt takes bfloat16 or float16 operands");
+    throw std::invalid_argument("fused_losses: linear_ce_gemm's products take bfloat16 or float16 operands");
   }
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (call.k <= 0 || call.k % 8 != 0 || call.lda % 8 != 0 || call.ldb % 8 != 0 || !aligned16(call.a) ||
       !aligned16(call.b) || call.m >= (int64_t(1) << 31) || call.n >= (int64_t(1) << 31)) {
     throw std::invalid_argument(
-        "fused_losses: gemm_nt needs K > 0 and K, both row strides multiples of 8 elements (16 B rows for the "
-        "copy engine), 16 B-aligned operands and fewer than 2^31 rows");
+        "fused_losses: linear_ce_gemm's products need K > 0 and K, both row strides multiples of 8 elements (16 B "
+        "rows for the copy engine), 16 B-aligned operands and fewer than 2^31 rows");
   }
   dispatch_dtype(call.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -131,23 +133,38 @@ void gemm_nt_launch(const GemmCall& call, const LaunchContext& context) {
       int64_t grid = std::min<int64_t>(multiprocessor_count(context.device), tiles.count);
       if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
       tiles.group = group_for(grid, tiles.tiles_m);
-      auto kernel = &gemm_nt_kernel<T>;
+      const auto epilogue = make_epilogue(tag);
+      auto kernel = &gemm_nt_kernel<T, std::decay_t<decltype(epilogue)>>;
       check(max_dynamic_smem(kernel, context.device) >= size_t(kGemmSmemBytes),
-            "gemm_nt needs 225 KB of shared memory a block, more than this GPU gives");
+            "linear_ce_gemm's products need 225 KB of shared memory a block, more than this GPU gives");
       const CUtensorMap a_map = k_major_tensor_map(call.a, call.m, call.k, call.lda, kGemmTileM, call.dtype);
       const CUtensorMap b_map = k_major_tensor_map(call.b, call.n, call.k, call.ldb, kGemmTileN, call.dtype);
       launch_kernel(kernel, grid, kGemmThreads, kGemmSmemBytes, 1, context.device, context.stream, a_map, b_map,
-                    tiles, static_cast<T*>(call.c));
+                    tiles, epilogue);
     } else {
-      throw std::invalid_argument("fused_losses: gemm_nt takes bfloat16 or float16 operands");
+      throw std::invalid_argument("fused_losses: linear_ce_gemm's products take bfloat16 or float16 operands");
     }
   });
+}
+
+}  // namespace
+
+void gemm_nt_launch(const GemmCall& call, const LaunchContext& context) {
+  launch_gemm(call, context, [&](auto tag) { return GemmStoreTile<decltype(tag)>{static_cast<decltype(tag)*>(call.c)}; });
+}
+
+void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context) {
+  launch_gemm(call, context, [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
 }
 
 #else  // CUDA 11.8: no tensor maps, no sm_90a
 
 void gemm_nt_launch(const GemmCall&, const LaunchContext&) {
   check(false, "gemm_nt needs a CUDA 12 build (this one is older) on compute capability 9.0");
+}
+
+void gemm_row_stats_launch(const GemmCall&, const GemmRowStats&, const LaunchContext&) {
+  check(false, "gemm_row_stats needs a CUDA 12 build (this one is older) on compute capability 9.0");
 }
 
 #endif

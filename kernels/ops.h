@@ -148,4 +148,18 @@ struct GemmCall {
 
 void gemm_nt_launch(const GemmCall& call, const LaunchContext& context);
 
+// The same product's rows' statistics over each tile of kGemmRowStatsTile classes instead of C
+// (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of u = softcap(logit + bias) / T.
+constexpr int kGemmRowStatsTile = 256;
+struct GemmRowStats {
+  float* partials;
+  const void* target;  // (m,) int64, or int32 where target_int32
+  const void* bias;    // (n,) of the operands' dtype, or nullptr
+  float softcap;       // 0: none
+  float inverse_temperature;
+  int stat_rows;       // 5, or 6 with the entropy's sum
+  bool target_int32;
+};
+void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
+
 }  // namespace fused_losses

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--debug", action="store_true", help="build with -DFUSED_LOSSES_GEMM_DEBUG=1")
+    parser.add_argument("--stats", action="store_true", help="also time row_stats (the fused product's statistics)")
     args = parser.parse_args(argv)
     if args.debug:
         os.environ["FUSED_LOSSES_NVCC_FLAGS"] = (os.environ.get("FUSED_LOSSES_NVCC_FLAGS", "") +
@@ -85,6 +86,17 @@ def main(argv=None) -> int:
         print(f"{shape:>22} {ours_ms:9.3f} {torch_ms:9.3f} {flop / ours_ms / 1e9:10.1f} "
               f"{flop / torch_ms / 1e9:11.1f} {torch_ms / ours_ms:6.3f} {'same' if same_bits else 'DIFF':>5} "
               f"{our_error / their_error:15.3f}")
+        if args.stats:  # the fused product's statistics (eval's log-probs and entropy at T 0.7) against ours today
+            import losses
+            import row_passes
+            target = torch.randint(0, n, (m,), device="cuda")
+            stats_ms = timed_median(lambda: row_passes.combine_tiles(ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0)),
+                                    args.runs, args.warmup)
+            with torch.no_grad():
+                today_ms = timed_median(lambda: losses.linear_log_probs(a, b, target, temperature=0.7,
+                                                                        return_entropy=True), args.runs, args.warmup)
+            print(f"{'':>22} row_stats + combine {stats_ms:.3f} ms ({torch_ms / stats_ms:.3f} of torch.mm's speed); "
+                  f"linear_log_probs eval today {today_ms:.3f} ms")
         del a, b, ours, theirs, first
         torch.cuda.empty_cache()
     return 0

@@ -127,3 +127,89 @@ def test_refuses_what_the_copy_engine_cannot_read(builds):
         ops.gemm_nt(a.float(), b.float(), None, 0)
     with pytest.raises(ValueError, match="both bfloat16 or both float16"):
         ops.gemm_nt(a, b.half(), None, 0)
+
+
+# ---------------------------------------------------------------------------------
+# row_stats: the fused product's epilogue, each row's statistics over each 256-class tile (the row
+# passes' rows), combined by row_passes.combine_tiles.
+
+def row_pass_stats(logits, target, softcap, temperature, stat_rows):
+    """The row passes' statistics of whole logits (one chunk): the reference."""
+    import row_passes
+    stats = row_passes.new_stats(logits.shape[0], logits.dtype, logits.device, stat_rows)
+    row_passes.fold_stats(logits, target, 0, logits.shape[1], stats, softcap, temperature=temperature)
+    return stats
+
+
+def targets(m, n, int32=False):
+    target = torch.randint(0, n, (m,), device="cuda")
+    target[::5] = -100
+    return target.int() if int32 else target
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(300, 50257, 264), (129, 1000, 72), (1024, 128256, 512), (1, 300, 8)])
+@pytest.mark.parametrize("stat_rows", [5, 6])
+@pytest.mark.parametrize("softcap,temperature", [(0.0, 1.0), (0.0, 0.7), (30.0, 0.7)])
+def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softcap, temperature):
+    """Random operands, no bias: the epilogue's logits are gemm_nt's (the same sums rounded alike), so the
+    statistics are the row passes' over gemm_nt's output: max and target exactly, the sums to float32's
+    rounding (a tile's sum then the tiles', against the row passes' lanes)."""
+    import row_passes
+    a, b = random_operands(m, n, k, dtype)
+    target = targets(m, n, int32=m == 300)
+    ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, None, target, softcap, temperature, stat_rows, 0))
+    theirs = row_pass_stats(gemm(builds, a, b), target, softcap, temperature, stat_rows)
+    assert ours.shape == theirs.shape == (stat_rows, m)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
+    for row in (1, 3, 4, 5)[:stat_rows - 2]:
+        scale = theirs[row].abs().max().clamp_min(1.0)
+        assert (ours[row] - theirs[row]).abs().max() <= 2e-6 * scale * max(1, n / 4096), row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
+    """Operands and bias on a grid of 1/4 (every logit exact in float32 and in the 2-byte dtype, whatever
+    the order of the sums), masked classes (-inf bias, a masked target among them), N ragged: the
+    statistics equal the row passes' over F.linear's logits."""
+    import row_passes
+    m, n, k = 260, 1037, 24
+    generator = torch.Generator().manual_seed(7)
+    a = (torch.randint(-3, 4, (m, k), generator=generator) / 4).to(dtype).cuda()
+    b = (torch.randint(-3, 4, (n, k), generator=generator) / 4).to(dtype).cuda()
+    bias_ = (torch.randint(-8, 9, (n,), generator=generator) / 4).to(dtype).cuda() if bias else None
+    target = targets(m, n)
+    if bias:
+        bias_[100:300] = float("-inf")
+        target[3] = 150  # a masked target: its u is -inf, as the row passes keep it
+    logits = torch.nn.functional.linear(a, b, bias_)
+    for stat_rows in (5, 6):
+        ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0))
+        theirs = row_pass_stats(logits, target, 0.0, 0.7, stat_rows)
+        torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_stats_same_bits_every_run_and_grid(builds, dtype):
+    import row_passes
+    a, b = random_operands(513, 50257, 264, dtype)
+    target = targets(513, 50257)
+    first = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0)
+    for max_blocks in (0, 66, 7):
+        assert torch.equal(builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, max_blocks), first)
+    assert row_passes.combine_tiles(first).isfinite().all()
+
+
+def test_row_stats_refuses_bad_arguments(builds):
+    ops = builds[torch.bfloat16]
+    a, b = random_operands(64, 300, 64, torch.bfloat16)
+    target = targets(64, 300)
+    with pytest.raises(ValueError, match="stat_rows must be 5 or 6"):
+        ops.row_stats(a, b, None, target, 0.0, 1.0, 4, 0)
+    with pytest.raises(ValueError, match="target must be"):
+        ops.row_stats(a, b, None, target[:10], 0.0, 1.0, 5, 0)
+    with pytest.raises(ValueError, match="bias must be"):
+        ops.row_stats(a, b, torch.zeros(299, device="cuda", dtype=torch.bfloat16), target, 0.0, 1.0, 5, 0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0)
