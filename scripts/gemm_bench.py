@@ -92,6 +92,11 @@ def main(argv=None) -> int:
             target = torch.randint(0, n, (m,), device="cuda")
             stats_ms = timed_median(lambda: row_passes.combine_tiles(ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0)),
                                     args.runs, args.warmup)
+            alone_ms = [timed_median(lambda: ops.row_stats(a, b, None, target, 0.0, 0.7, rows, 0), args.runs, args.warmup)
+                        for rows in (6, 5)]
+            partials = ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0)
+            combine_ms = timed_median(lambda: row_passes.combine_tiles(partials), args.runs, args.warmup)
+            print(f"{'':>22} row_stats alone {alone_ms[0]:.3f} ms (5 rows: {alone_ms[1]:.3f}), combine {combine_ms:.3f}")
             with torch.no_grad():
                 today_ms = timed_median(lambda: losses.linear_log_probs(a, b, target, temperature=0.7,
                                                                         return_entropy=True), args.runs, args.warmup)

@@ -187,7 +187,11 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
     for stat_rows in (5, 6):
         ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0))
         theirs = row_pass_stats(logits, target, 0.0, 0.7, stat_rows)
-        torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6, equal_nan=True)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
+        for row in range(1, stat_rows):  # sums in another order: float32's rounding of the largest term's size
+            finite = theirs[row][theirs[row].isfinite()]
+            scale = finite.abs().max().clamp_min(1.0) if finite.numel() else 1.0
+            torch.testing.assert_close(ours[row], theirs[row], rtol=0, atol=4e-6 * scale, msg=f"row {row}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
