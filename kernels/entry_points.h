@@ -555,7 +555,7 @@ inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_
               "linear_ce_gemm: a (m, k) and b (n, k) must be 2-D CUDA tensors on one device with the same k");
   TORCH_CHECK_VALUE((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) &&
                         b.scalar_type() == a.scalar_type(),
-                    "linear_ce_gemm: a and b must both be bfloat16 or both float16");
+                    "linear_ce_gemm: a and b must be both bfloat16 or both float16");
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   // A single row's stride is never stepped: any value a 16 B-aligned copy accepts will do.
   const int64_t lda = m == 1 ? k : a.stride(0), ldb = n == 1 ? k : b.stride(0);
