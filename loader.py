@@ -523,7 +523,8 @@ def load_for_device(name: str, device: torch.device, dtype: torch.dtype):
     """load(name, dtype) for the arch of a CUDA device; the hot path of every loss call."""
     ops = _loaded_for_device.get((name, device.index, dtype))
     if ops is None:
-        ops = _loaded_for_device[(name, device.index, dtype)] = load(name, dtype, device_arch(device))
+        arch = device_arch(device) + ("a" if name in SM90A_KERNELS else "")  # their wgmma code: sm_90a
+        ops = _loaded_for_device[(name, device.index, dtype)] = load(name, dtype, arch)
     return ops
 
 

@@ -217,3 +217,32 @@ def test_row_stats_refuses_bad_arguments(builds):
         ops.row_stats(a, b, torch.zeros(299, device="cuda", dtype=torch.bfloat16), target, 0.0, 1.0, 5, 0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap,bias", [(0.0, False), (30.0, True)])
+def test_linear_losses_through_the_fused_product(builds, dtype, softcap, bias, monkeypatch):
+    """linear_log_probs and linear_cross_entropy without gradients take the fused product where
+    linear_cross_entropy.fused_product says so, and give the cuBLAS chunks' values: operands on a grid of
+    1/4, so both products' logits are exact and only the statistics' order of sums differs."""
+    import linear_cross_entropy
+    import losses
+    m, n, k = 700, 50257, 24
+    generator = torch.Generator().manual_seed(9)
+    x = (torch.randint(-3, 4, (m, k), generator=generator) / 4).to(dtype).cuda()
+    w = (torch.randint(-3, 4, (n, k), generator=generator) / 4).to(dtype).cuda()
+    b = (torch.randint(-8, 9, (n,), generator=generator) / 4).to(dtype).cuda() if bias else None
+    target = targets(m, n)
+    assert linear_cross_entropy.fused_product(x, w, b)
+
+    def outputs():
+        with torch.no_grad():
+            log_p, entropy = losses.linear_log_probs(x, w, target, linear_bias=b, temperature=0.7, softcap=softcap,
+                                                     return_entropy=True)
+            loss = losses.linear_cross_entropy(x, w, target, linear_bias=b, label_smoothing=0.1, softcap=softcap)
+        return log_p, entropy, loss.float()
+
+    fused = outputs()
+    monkeypatch.setattr(linear_cross_entropy, "fused_product", lambda *arguments: False)
+    for ours, theirs in zip(fused, outputs()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
