@@ -243,6 +243,9 @@ struct Softcap {
   math_t cap, inverse;  // cap 0: none. For 2-byte logits a product, not a division per logit
                         // (a division's dozen instructions made the passes compute-bound)
   __device__ explicit Softcap(double softcap) : cap(softcap), inverse(softcap > 0 ? 1 / softcap : 0) {}
+  // With the reciprocal from the host (the same value): a persistent kernel reads it from its
+  // parameters where it would otherwise hold it in a register across every tile.
+  __device__ Softcap(math_t softcap, math_t softcap_inverse) : cap(softcap), inverse(softcap_inverse) {}
 
   __device__ __forceinline__ math_t q_of(math_t y) const {
     if constexpr (sizeof(T) == 2) {

@@ -631,6 +631,7 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
   stats.target = target.data_ptr();
   stats.target_int32 = target.scalar_type() == at::kInt;
   stats.softcap = static_cast<float>(softcap);
+  stats.softcap_inverse = softcap > 0 ? static_cast<float>(1 / static_cast<double>(stats.softcap)) : 0.f;
   stats.inverse_temperature = static_cast<float>(1 / temperature);
   stats.stat_rows = static_cast<int>(stat_rows);
   run_kernels([&] { gemm_row_stats_launch(call, stats, context.launch()); });

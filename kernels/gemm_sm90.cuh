@@ -366,30 +366,35 @@ template <typename T>
 __device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const GemmRowStats& out,
                                                          const GemmTiles& tiles, int row0, int col0, int tile_n) {
   const int lane = threadIdx.x % 32;
-  const Softcap<T> softcap(out.softcap);
+  const Softcap<T> softcap(out.softcap, out.softcap_inverse);
   const float s = out.inverse_temperature;
-  const T* bias = static_cast<const T*>(out.bias);
+  // Columns from this lane's first, col0 + 2 (lane % 4): column 8j + e is in C while 8j + e < in_c,
+  // so each mask compares with a constant (a register a column would not fit beside the sums).
+  const int lane_col0 = col0 + 2 * (lane % 4);
+  const int in_c = tiles.n - lane_col0;
+  const T* bias = out.bias == nullptr ? nullptr : static_cast<const T*>(out.bias) + lane_col0;
 #pragma unroll
   for (int upper = 0; upper < 2; ++upper) {
     const int row = row0 + lane / 4 + 8 * upper;
     const bool row_ok = row < tiles.m;
-    const int64_t t = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;  // in the tile
+    // The target's column, from this lane's first, where this lane holds it; else -1.
+    const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - lane_col0 : -1;
+    const int t = target_col >= 0 && target_col < kGemmTileN ? static_cast<int>(target_col) : -1;
     float m = -infinity<float>();
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      const int col = col0 + 8 * j + 2 * (lane % 4);
       float lo = d[4 * j + 2 * upper], hi = d[4 * j + 2 * upper + 1];
       if (bias != nullptr) {
-        lo += col < tiles.n ? static_cast<float>(bias[col]) : 0.f;
-        hi += col + 1 < tiles.n ? static_cast<float>(bias[col + 1]) : 0.f;
+        lo += 8 * j < in_c ? static_cast<float>(bias[8 * j]) : 0.f;
+        hi += 8 * j + 1 < in_c ? static_cast<float>(bias[8 * j + 1]) : 0.f;
       }
       round_pair_to<T>(lo, hi);
       lo = softcap.apply(lo) * s;
       hi = softcap.apply(hi) * s;
       d[4 * j + 2 * upper] = lo;
       d[4 * j + 2 * upper + 1] = hi;
-      if (col < tiles.n) m = max_acc(m, lo);
-      if (col + 1 < tiles.n) m = max_acc(m, hi);
+      if (8 * j < in_c) m = max_acc(m, lo);
+      if (8 * j + 1 < in_c) m = max_acc(m, hi);
     }
     m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 1));
     m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 2));
@@ -398,13 +403,12 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const 
     for (int j = 0; j < 32; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int within = 8 * j + 2 * (lane % 4) + e;
-        if (col0 + within >= tiles.n) continue;
+        if (8 * j + e >= in_c) continue;
         const float u = d[4 * j + 2 * upper + e];
         const float ex = u == -infinity<float>() ? 0.f : exp_minus<T>(u, m);
         sum += ex;
         logit_sum += u;
-        if (within == t) {
+        if (8 * j + e == t) {
           target_u = u;
         } else {
           others += ex;

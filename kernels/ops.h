@@ -156,6 +156,7 @@ struct GemmRowStats {
   const void* target;  // (m,) int64, or int32 where target_int32
   const void* bias;    // (n,) of the operands' dtype, or nullptr
   float softcap;       // 0: none
+  float softcap_inverse;  // (float) (1 / (double) softcap), 0 for none: Softcap's own reciprocal
   float inverse_temperature;
   int stat_rows;       // 5, or 6 with the entropy's sum
   bool target_int32;
