@@ -1,22 +1,61 @@
 // gemm_sm90.cuh: the device core of our sm_90a matrix product C = A B^T (A: M x K, B: N x K,
 // both K-contiguous, 2-byte: bfloat16 or float16; C: M x N in the same dtype, float32 sums).
 //
-// Stage 1 of scratch/gemm_plan.md: a 128 x 256 output tile a block, K walked in blocks of 64
-// through 4 shared-memory stages of (128 + 256) x 64 x 2 B = 48 KB each. Warpgroup 0 is the
-// producer (one thread issues every bulk tensor copy), warpgroups 1 and 2 the consumers: each
-// multiplies its 64 rows of A's stage by B's 256 rows with wgmma m64n256k16 (128 float32 sums
-// a thread) and writes its 64 x 256 of C. Persistent: one block a multiprocessor walks tiles
-// blockIdx.x, + gridDim.x, ... in a grouped order (GemmTiles), the same for every run, and
-// each output tile's K order is fixed: the same bits every run, whatever the grid.
+// Warpgroup 0 is the producer (one thread issues every bulk tensor copy: A's and B's boxes of a
+// K block of 64 into a shared-memory stage), warpgroups 1 and 2 the consumers (wgmma, both
+// operands from shared memory, float32 sums in registers, then the epilogue: store C, or each
+// row's statistics). Persistent: one block a multiprocessor walks tiles blockIdx.x, + gridDim.x,
+// ... in a grouped order (GemmTiles), the same for every run; each output tile has one owner and
+// a fixed K order: the same bits every run, whatever the grid. Two schedules (GemmSchedule):
 //
-// Napkin (H100 SXM, 132 SMs, 989 TFLOP/s dense bf16): a tile's K block is 2 x 128 x 256 x 64
-// = 4.2 MFLOP, 550 ns of one SM's tensor cores, against 48 KB from L2: 89 GB/s a SM, 11.7
-// TB/s for the GPU, which L2 serves only because the grouped order keeps A's and B's live
-// tiles (~16 + 16 MB at M = 8192) resident.
+// Cooperative (stage 1): a 128 x 256 tile a block, each consumer 64 of its rows (m64n256k16, 128
+// sums a thread), 4 stages of (128 + 256) x 64 x 2 B = 48 KB. Napkin (H100 SXM, 132 SMs, 989
+// TFLOP/s): a K block is 2 x 128 x 256 x 64 = 4.2 MFLOP, 550 ns of one SM's tensor cores, against
+// 48 KB from L2 (85 FLOP/B): 11.7 TB/s for the GPU at full speed, which L2 serves only because the
+// grouped order keeps A's and B's live tiles (~16 + 16 MB at M = 8192) resident. Both consumers
+// finish a tile at once and run their epilogues together while the tensor cores idle: nothing for
+// a store, but the statistics epilogue is exposed (H200, Llama 3's head: ~6 us a tile, ~11%).
+//
+// Pingpong (stage 3b): each consumer owns whole 128 x 192 tiles, alternately (consumer 0 the
+// block's tiles 0, 2, 4, ..., consumer 1 tiles 1, 3, ...), and an ordered barrier makes their main
+// loops take turns on the tensor cores, so each one's epilogue runs under the other's main loop.
+// Napkin for Llama 3's head, 8192 x 128256 x 4096:
+// - Registers: 2 x m64n192k16 a k16 step, 2 x 96 = 192 float32 sums a thread of the 232 that
+//   setmaxnreg gives a consumer (40 x 128 + 2 x 232 x 128 = 64512, the block's 384 x 168 at
+//   launch): 40 for addresses, counters and the epilogue, which works on one 16-row block (96
+//   sums) at a time, in place. ptxas must spill nothing.
+// - Shared memory: a stage is (128 + 192) x 64 x 2 B = 40 KB; 5 stages 200 KB, staging 8 warps x 16
+//   rows x 64 columns x 2 B = 16 KB, 12 barriers, 1 KB of alignment slack: 222304 of 232448 B.
+// - L2 -> shared bytes: 40 KB a K block for 2 x 128 x 192 x 64 = 3.15 MFLOP, 77 FLOP/B against the
+//   cooperative tile's 85: 11% more bytes a FLOP (7.9 -> 8.8 TB/s across 132 SMs at 674 TFLOP/s).
+// - Tiles: N = 128256 = 668 x 192 exactly (501 x 256); 64 x 668 = 42752 tiles, 323.9 a block on
+//   132 SMs. A ragged N's last tile is masked as before (zeros copied in, columns >= N skipped).
+// - Overlap: a tile's main loop is 2 x 128 x 192 x 4096 = 201 MFLOP, ~49k clocks of an SM's 4096
+//   FLOP a clock (~25 us); its statistics, 24576 values, ~1.5 x the cooperative ~6 us (16384 a
+//   consumer): hidden while shorter than the other consumer's main loop.
+// gemm_nt keeps the cooperative schedule unless pingpong's store proves as fast (the launcher's
+// named choice, linear_ce_gemm.cu); the tests run both schedules with both epilogues.
+//
+// Barriers (mbarriers, parity waits; a fresh barrier counts the phase before its first as done):
+// - step: the block's K blocks counted across its tiles in order, both consumers' tiles: its
+//   j-th tile's k-th block is step j x k_blocks + k; stage = step % stages, parity (step / stages) & 1.
+// - full[stage]: 1 arrival (the producer's expect_tx) + the stage's bytes; a consumer waits parity
+//   (step / stages) & 1.
+// - empty[stage]: one arrival from each warp that read the stage (cooperative 8, pingpong 4); the
+//   producer waits parity ((step / stages) & 1) ^ 1, so the first round passes at once.
+// - turn[c] (pingpong): 4 arrivals, one from each warp of consumer 1 - c when it has issued the
+//   last wgmma of a tile. Consumer c's i-th tile (the block's tile 2i + c) waits parity
+//   (i & 1) ^ (c == 0): consumer 0 for consumer 1's first i arrivals (none before its first tile:
+//   parity 1 passes a fresh barrier), consumer 1 for consumer 0's first i + 1. Parity is enough: a
+//   consumer arrives once a tile and starts its next tile only after the other has passed the
+//   wait that its arrival completed, so no turn barrier gets two phases ahead of its waiter. The
+//   turns also keep full's parities sound when k_blocks < stages: all waits on full run in step
+//   order, so step - stages's wait has passed when step's begins.
+// - The epilogues need no order between consumers: each warp stages in its own buffer.
 //
 // Build: wgmma and setmaxnreg exist only for sm_90a (-gencode arch=compute_90a,code=sm_90a;
 // loader arch "9.0a"). Everywhere else (sm_80, plain sm_90, CUDA 11.8) the kernel body is a
-// __trap() and gemm_nt_launch (linear_ce_gemm.cu) refuses with an error before launching.
+// __trap() and the launchers (linear_ce_gemm.cu) refuse with an error before launching.
 #pragma once
 
 #include <cstdint>
@@ -48,32 +87,47 @@
 namespace fused_losses {
 
 // ---------------------------------------------------------------------------------
-// Tile shape and shared-memory layout (host and device).
+// Tile shapes and shared-memory layouts (host and device).
 
-constexpr int kGemmTileM = 128;      // rows of A (and C) a block
-constexpr int kGemmTileN = 256;      // rows of B (columns of C) a block
+constexpr int kGemmTileM = 128;      // rows of A (and C) a tile
 constexpr int kGemmTileK = 64;       // 64 x 2 B = 128 B: one swizzle span, one TMA box row
-constexpr int kGemmStages = 4;       // 4 x 48 KB in flight
-constexpr int kGemmConsumers = 2;    // consumer warpgroups, 64 rows of the tile each
+constexpr int kGemmConsumers = 2;    // consumer warpgroups
 constexpr int kGemmThreads = 128 * (1 + kGemmConsumers);
 constexpr int kGemmConsumerWarps = 4 * kGemmConsumers;
-
-constexpr int kGemmStageBytesA = kGemmTileM * kGemmTileK * 2;  // 16 KB
-constexpr int kGemmStageBytesB = kGemmTileN * kGemmTileK * 2;  // 32 KB
-constexpr int kGemmStageBytes = kGemmStageBytesA + kGemmStageBytesB;
-// The epilogue stages a warp's 16 rows x 128 columns at a time (4 KB a warp, 32 KB): apart from
-// the pipeline's stages, which the producer is already filling with the next tile's K blocks.
-constexpr int kGemmStagingRowBytes = 128 * 2;
-constexpr int kGemmStagingWarpBytes = 16 * kGemmStagingRowBytes;
 // 128 B swizzle repeats every 8 rows x 128 B: every stage starts at a 1024 B boundary, so the
 // wgmma descriptors' base offset is 0 and the TMA's swizzle and the descriptors' agree.
 constexpr int kGemmSmemAlign = 1024;
-constexpr int kGemmOffsetB = kGemmStages * kGemmStageBytesA;
-constexpr int kGemmOffsetStaging = kGemmOffsetB + kGemmStages * kGemmStageBytesB;
-constexpr int kGemmOffsetBarriers = kGemmOffsetStaging + kGemmConsumerWarps * kGemmStagingWarpBytes;
-constexpr int kGemmSmemBytes = kGemmSmemAlign + kGemmOffsetBarriers + 2 * kGemmStages * 8;  // 230464 B
-static_assert(kGemmSmemBytes <= 232448, "more than an H100 block's 227 KB of shared memory");
-static_assert(kGemmStageBytesA % kGemmSmemAlign == 0 && kGemmStageBytesB % kGemmSmemAlign == 0, "stage alignment");
+
+// The two schedules (the file's header): cooperative (a 128 x 256 tile, 64 rows a consumer) and
+// pingpong (a 128 x 192 tile a consumer, consumers alternating). Everything here follows from the flag.
+template <bool kPingpongSchedule>
+struct GemmSchedule {
+  static constexpr bool kPingpong = kPingpongSchedule;
+  static constexpr int kTileN = kPingpong ? 192 : 256;  // rows of B (columns of C) a tile
+  static constexpr int kStages = kPingpong ? 5 : 4;     // 5 x 40 KB or 4 x 48 KB in flight
+  static constexpr int kConsumerRows = kPingpong ? kGemmTileM : kGemmTileM / kGemmConsumers;  // of a tile
+  static constexpr int kRowBlocks = kConsumerRows / 64;  // m64 wgmmas a k16 step
+  static constexpr int kSums = kTileN / 2;               // float32 sums a thread, per 64-row block
+  // Warps that read a stage, each of which frees it once: both consumers' or the owner's.
+  static constexpr int kReleaseArrivals = kPingpong ? 4 : kGemmConsumerWarps;
+  // The epilogue stages a warp's 16 rows x kStagingColumns at a time: apart from the pipeline's
+  // stages, which the producer is already filling with the next tiles' K blocks.
+  static constexpr int kStagingColumns = kPingpong ? 64 : 128;
+  static constexpr int kStagingWarpBytes = 16 * kStagingColumns * 2;
+  static constexpr int kStageBytesA = kGemmTileM * kGemmTileK * 2;  // 16 KB
+  static constexpr int kStageBytesB = kTileN * kGemmTileK * 2;      // 24 or 32 KB
+  static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+  static constexpr int kOffsetB = kStages * kStageBytesA;
+  static constexpr int kOffsetStaging = kOffsetB + kStages * kStageBytesB;
+  static constexpr int kOffsetBarriers = kOffsetStaging + kGemmConsumerWarps * kStagingWarpBytes;
+  static constexpr int kBarriers = 2 * kStages + (kPingpong ? kGemmConsumers : 0);  // full, empty (, turn)
+  static constexpr int kSmemBytes = kGemmSmemAlign + kOffsetBarriers + kBarriers * 8;  // 230464, 222304 B
+  static_assert(kSmemBytes <= 232448, "more than an H100 block's 227 KB of shared memory");
+  static_assert(kStageBytesA % kGemmSmemAlign == 0 && kStageBytesB % kGemmSmemAlign == 0, "stage alignment");
+  static_assert(kTileN % kStagingColumns == 0, "whole staging pieces");
+};
+using GemmCooperative = GemmSchedule<false>;
+using GemmPingpong = GemmSchedule<true>;
 
 // The persistent schedule: tile t (0 <= t < count) in groups of `group` M tiles, M fastest
 // inside a group, so the blocks running at once (t, t + 1, ... t + grid - 1) share each B tile
@@ -102,7 +156,8 @@ __host__ __device__ inline TileCoord gemm_tile_coord(const GemmTiles& tiles, int
 
 #if FUSED_LOSSES_GEMM_SM90A
 
-// Why: the mbarrier's arrival without a transaction; a consumer warp frees a stage with it.
+// Why: the mbarrier's arrival without a transaction: a consumer warp frees a stage with it, or
+// (pingpong) hands the tensor cores to the other consumer.
 __device__ __forceinline__ void gemm_mbarrier_arrive(uint64_t* barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier)) : "memory");
 }
@@ -149,7 +204,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int inne
       : "memory");
 }
 
-// Why: the producer needs few registers and the consumers many (128 sums + addresses): moving
+// Why: the producer needs few registers and the consumers many (128 or 192 sums + addresses): moving
 // the register file's share from one to the other is what lets a 384-thread block hold them.
 template <int kRegisters>
 __device__ __forceinline__ void registers_decrease() {
@@ -183,23 +238,26 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // Why: the wgmma's asm names the sums as outputs where it is issued, not where wgmma_wait
 // finishes it; this marks them written here, so no read of them moves above the wait.
-__device__ __forceinline__ void accumulators_ready(float (&d)[128]) {
+template <int kSums>
+__device__ __forceinline__ void accumulators_ready(float (&d)[kSums]) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kSums; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 #define FUSED_LOSSES_WGMMA_D8(i)                                                            \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
-#define FUSED_LOSSES_WGMMA_D128                                                                             \
+#define FUSED_LOSSES_WGMMA_D96                                                                              \
   FUSED_LOSSES_WGMMA_D8(0), FUSED_LOSSES_WGMMA_D8(8), FUSED_LOSSES_WGMMA_D8(16), FUSED_LOSSES_WGMMA_D8(24),   \
       FUSED_LOSSES_WGMMA_D8(32), FUSED_LOSSES_WGMMA_D8(40), FUSED_LOSSES_WGMMA_D8(48), FUSED_LOSSES_WGMMA_D8(56), \
-      FUSED_LOSSES_WGMMA_D8(64), FUSED_LOSSES_WGMMA_D8(72), FUSED_LOSSES_WGMMA_D8(80), FUSED_LOSSES_WGMMA_D8(88), \
-      FUSED_LOSSES_WGMMA_D8(96), FUSED_LOSSES_WGMMA_D8(104), FUSED_LOSSES_WGMMA_D8(112), FUSED_LOSSES_WGMMA_D8(120)
-#define FUSED_LOSSES_WGMMA_N256(types)                                                                         \
-  asm volatile(                                                                                                \
+      FUSED_LOSSES_WGMMA_D8(64), FUSED_LOSSES_WGMMA_D8(72), FUSED_LOSSES_WGMMA_D8(80), FUSED_LOSSES_WGMMA_D8(88)
+#define FUSED_LOSSES_WGMMA_D128                                                                             \
+  FUSED_LOSSES_WGMMA_D96, FUSED_LOSSES_WGMMA_D8(96), FUSED_LOSSES_WGMMA_D8(104), FUSED_LOSSES_WGMMA_D8(112),   \
+      FUSED_LOSSES_WGMMA_D8(120)
+#define FUSED_LOSSES_WGMMA_N256(types)                                                                          \
+  asm volatile(                                                                                                 \
       "{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %130, 0;\n"                                         \
-      " wgmma.mma_async.sync.aligned.m64n256k16.f32." types " {"                                              \
+      " wgmma.mma_async.sync.aligned.m64n256k16.f32." types " {"                                                \
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
@@ -208,24 +266,44 @@ __device__ __forceinline__ void accumulators_ready(float (&d)[128]) {
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                        \
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "            \
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "       \
-      "%128, %129, accumulate, 1, 1, 0, 0;\n}"                                                                 \
-      : FUSED_LOSSES_WGMMA_D128                                                                                \
+      "%128, %129, accumulate, 1, 1, 0, 0;\n}"                                                                  \
+      : FUSED_LOSSES_WGMMA_D128                                                                                 \
+      : "l"(a), "l"(b), "r"(accumulate))
+#define FUSED_LOSSES_WGMMA_N192(types)                                                                          \
+  asm volatile(                                                                                                 \
+      "{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %98, 0;\n"                                          \
+      " wgmma.mma_async.sync.aligned.m64n192k16.f32." types " {"                                                \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                        \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                        \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "                       \
+      "%96, %97, accumulate, 1, 1, 0, 0;\n}"                                                                    \
+      : FUSED_LOSSES_WGMMA_D96                                                                                  \
       : "l"(a), "l"(b), "r"(accumulate))
 
-// Why: the tensor cores' widest step, 64 x 256 x 16, both operands read from shared memory
-// (K-major, "SS"): d (64 x 256 float32, 128 a thread) += A B^T, or = A B^T when !accumulate.
-// Asynchronous: d must not be touched until a wgmma_wait covers it.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b, uint32_t accumulate) {
+// Why: the tensor cores' widest step, 64 x 256 x 16 (the pingpong tile's 64 x 192 x 16), both
+// operands read from shared memory (K-major, "SS"): d (64 x N float32, N / 2 a thread) += A B^T,
+// or = A B^T when !accumulate. Asynchronous: d must not be touched until a wgmma_wait covers it.
+template <typename T, int kSums>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[kSums], uint64_t a, uint64_t b, uint32_t accumulate) {
   static_assert(sizeof(T) == 2, "2-byte operands");
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  static_assert(kSums == 128 || kSums == 96, "m64n256k16 or m64n192k16");
+  if constexpr (kSums == 128 && std::is_same_v<T, c10::BFloat16>) {
     FUSED_LOSSES_WGMMA_N256("bf16.bf16");
-  } else {
+  } else if constexpr (kSums == 128) {
     FUSED_LOSSES_WGMMA_N256("f16.f16");
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    FUSED_LOSSES_WGMMA_N192("bf16.bf16");
+  } else {
+    FUSED_LOSSES_WGMMA_N192("f16.f16");
   }
 }
 
 #undef FUSED_LOSSES_WGMMA_N256
+#undef FUSED_LOSSES_WGMMA_N192
+#undef FUSED_LOSSES_WGMMA_D96
 #undef FUSED_LOSSES_WGMMA_D128
 #undef FUSED_LOSSES_WGMMA_D8
 
@@ -250,70 +328,82 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 #if FUSED_LOSSES_GEMM_SM90A
 
 struct GemmShared {
-  unsigned char* a;         // kGemmStages x 128 rows x 128 B
-  unsigned char* b;         // kGemmStages x 256 rows x 128 B
-  unsigned char* staging;   // kGemmConsumerWarps x 16 rows x 256 B
-  uint64_t* full;           // [stage]: the copies landed (1 arrival + 48 KB)
-  uint64_t* empty;          // [stage]: every consumer warp is done reading it
+  unsigned char* a;         // stages x 128 rows x 128 B
+  unsigned char* b;         // stages x tile N rows x 128 B
+  unsigned char* staging;   // kGemmConsumerWarps x 16 rows x staging columns x 2 B
+  uint64_t* full;           // [stage]: the copies landed (1 arrival + the stage's bytes)
+  uint64_t* empty;          // [stage]: every warp that reads it is done
+  uint64_t* turn;           // pingpong, [consumer]: the other consumer has issued its tile's wgmmas
 };
 
-// K blocks are counted across the block's tiles (`step`), so stage = step % kGemmStages and the
-// barrier's phase parity = (step / kGemmStages) & 1 run on from tile to tile, in both roles.
-__device__ __forceinline__ uint32_t stage_of(uint32_t step) { return step % kGemmStages; }
-__device__ __forceinline__ uint32_t parity_of(uint32_t step) { return (step / kGemmStages) & 1; }
+// K blocks are counted across the block's tiles (`step`), so stage = step % stages and the
+// barrier's phase parity = (step / stages) & 1 run on from tile to tile, in every role.
+template <typename Schedule>
+__device__ __forceinline__ uint32_t stage_of(uint32_t step) {
+  return step % Schedule::kStages;
+}
+template <typename Schedule>
+__device__ __forceinline__ uint32_t parity_of(uint32_t step) {
+  return (step / Schedule::kStages) & 1;
+}
 
 // One thread: for every K block of every tile, wait until the stage is free, then copy A's 128 x 64
-// and B's 256 x 64 box into it. A fresh barrier counts as having completed the phase before its
+// and B's tile N x 64 box into it. A fresh barrier counts as having completed the phase before its
 // first, so the first round's waits (parity 1) pass at once.
+template <typename Schedule>
 __device__ __forceinline__ void gemm_produce(const void* a_map, const void* b_map, const GemmTiles& tiles,
                                              const GemmShared& shared) {
   uint32_t step = 0;
   for (int64_t t = blockIdx.x; t < tiles.count; t += gridDim.x) {
     const TileCoord tile = gemm_tile_coord(tiles, t);
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
-      const uint32_t stage = stage_of(step);
-      gemm_mbarrier_wait(&shared.empty[stage], parity_of(step) ^ 1);
-      mbarrier_arrive_expect_tx(&shared.full[stage], kGemmStageBytes);
-      tma_load_2d(shared.a + stage * kGemmStageBytesA, a_map, k_block * kGemmTileK, tile.m * kGemmTileM,
+      const uint32_t stage = stage_of<Schedule>(step);
+      gemm_mbarrier_wait(&shared.empty[stage], parity_of<Schedule>(step) ^ 1);
+      mbarrier_arrive_expect_tx(&shared.full[stage], Schedule::kStageBytes);
+      tma_load_2d(shared.a + stage * Schedule::kStageBytesA, a_map, k_block * kGemmTileK, tile.m * kGemmTileM,
                   &shared.full[stage]);
-      tma_load_2d(shared.b + stage * kGemmStageBytesB, b_map, k_block * kGemmTileK, tile.n * kGemmTileN,
+      tma_load_2d(shared.b + stage * Schedule::kStageBytesB, b_map, k_block * kGemmTileK, tile.n * Schedule::kTileN,
                   &shared.full[stage]);
     }
   }
 }
 
-// A consumer warp's 16 x 256 sums of one tile into C, through its staging buffer: a lane holds
-// rows r = lane / 4 and r + 8, columns 8j + 2 (lane % 4) + {0, 1} for j < 32 (the wgmma
-// layout), which written straight to C would be 8-byte pieces. In two halves of 128 columns:
+// A consumer warp's 16 x kColumns sums of one tile into C, through its staging buffer: a lane
+// holds rows r = lane / 4 and r + 8, columns 8j + 2 (lane % 4) + {0, 1} for j < kColumns / 8 (the
+// wgmma layout), which written straight to C would be 8-byte pieces. In pieces of kPiece columns:
 // pairs into the buffer (16 B chunk index XOR row % 8: the 32 lanes hit 32 banks), then each
-// half-warp stores a row's 256 contiguous bytes, 16 a lane.
-template <typename T>
-__device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[128], unsigned char* staging, T* c,
+// row's 2 kPiece contiguous bytes are stored by kPiece / 8 lanes, 16 B each.
+template <typename T, int kColumns, int kPiece>
+__device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging, T* c,
                                                      const GemmTiles& tiles, int row0, int col0) {
+  constexpr int kChunks = kPiece / 8;  // 16 B chunks of a staged row, and lanes that store one
+  constexpr int kRowBytes = 2 * kPiece;
+  constexpr int kRowsAtOnce = 32 / kChunks;
+  static_assert(kColumns % kPiece == 0 && kChunks % 8 == 0 && kChunks <= 32, "pieces of whole swizzle rows");
   const int lane = threadIdx.x % 32;
   const int quad_row = lane / 4;
   const bool full_chunks = tiles.ldc % 8 == 0 && reinterpret_cast<uintptr_t>(c) % 16 == 0;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int piece = 0; piece < kColumns / kPiece; ++piece) {
 #pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      const int j = 16 * half + jj;
+    for (int jj = 0; jj < kChunks; ++jj) {
+      const int j = kChunks * piece + jj;
 #pragma unroll
       for (int upper = 0; upper < 2; ++upper) {
         const int r = quad_row + 8 * upper;
-        const int offset = r * kGemmStagingRowBytes + ((jj ^ (r % 8)) * 16) + 4 * (lane % 4);
+        const int offset = r * kRowBytes + ((jj ^ (r % 8)) * 16) + 4 * (lane % 4);
         *reinterpret_cast<uint32_t*>(staging + offset) = pack_pair<T>(d[4 * j + 2 * upper], d[4 * j + 2 * upper + 1]);
       }
     }
     __syncwarp();
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = 2 * i + lane / 16;
-      const int chunk = lane % 16;
-      const int offset = r * kGemmStagingRowBytes + ((chunk ^ (r % 8)) * 16);
+    for (int i = 0; i < 16 / kRowsAtOnce; ++i) {
+      const int r = kRowsAtOnce * i + lane / kChunks;
+      const int chunk = lane % kChunks;
+      const int offset = r * kRowBytes + ((chunk ^ (r % 8)) * 16);
       const uint4 value = *reinterpret_cast<const uint4*>(staging + offset);
       const int row = row0 + r;
-      const int col = col0 + 128 * half + 8 * chunk;
+      const int col = col0 + kPiece * piece + 8 * chunk;
       if (row >= tiles.m || col >= tiles.n) continue;
       T* out = c + int64_t(row) * tiles.ldc + col;
       if (full_chunks && col + 8 <= tiles.n) {
@@ -327,20 +417,19 @@ __device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[128], unsi
         }
       }
     }
-    __syncwarp();  // the buffer's reads are done before the next half overwrites it
+    __syncwarp();  // the buffer's reads are done before the next piece overwrites it
   }
 }
 
 #endif  // FUSED_LOSSES_GEMM_SM90A
 
 // The fused product's epilogue (DESIGN.md, "The fused product"): instead of C, each row's
-// statistics over the tile's 256 columns, in the row passes' form (row_passes.cu: max m, sum of
-// exp(u - m), the target's u, the sum of u, the sum of exp over the classes other than the
-// target; with 6 rows also sum exp(u - m) (u - m)) of u = softcap(round(acc + bias)) / T, the
-// logit rounded to T first as a product's output is, so the statistics are those of eager's
-// logits. partials: (tiles_n, stat_rows, m) float32, every entry written; combining the tiles is
-// the caller's (a vocabulary shard's combine, across tiles).
-static_assert(kGemmRowStatsTile == kGemmTileN, "ops.h's tile width is the kernel's");
+// statistics over the tile's columns (256 cooperative, 192 pingpong), in the row passes' form
+// (row_passes.cu: max m, sum of exp(u - m), the target's u, the sum of u, the sum of exp over the
+// classes other than the target; with 6 rows also sum exp(u - m) (u - m)) of
+// u = softcap(round(acc + bias)) / T, the logit rounded to T first as a product's output is, so the
+// statistics are those of eager's logits. partials: (tiles_n, stat_rows, m) float32, every entry
+// written; combining the tiles is the caller's (a vocabulary shard's combine, across tiles).
 
 #if FUSED_LOSSES_GEMM_SM90A
 
@@ -359,11 +448,12 @@ __device__ __forceinline__ void round_pair_to(float& lo, float& hi) {
 }
 
 // A consumer warp's 16 rows of one tile into partials[tile_n]: a lane holds rows r = lane / 4 and
-// r + 8, 64 columns each (gemm_store_warp_rows' layout); its quad (4 lanes) holds a row's 256.
-// Two passes over the registers: u written over the sums and the max, then the sums; each
-// reduced over the quad (the same bits in its 4 lanes: max and + commute), written by lane % 4 == 0.
-template <typename T>
-__device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const GemmRowStats& out,
+// r + 8, kColumns / 4 columns each (gemm_store_warp_rows' layout); its quad (4 lanes) holds a
+// row's kColumns. Two passes over the registers: u written over the sums and the max, then the
+// sums; each reduced over the quad (the same bits in its 4 lanes: max and + commute), written by
+// lane % 4 == 0.
+template <typename T, int kColumns>
+__device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[kColumns / 2], const GemmRowStats& out,
                                                          const GemmTiles& tiles, int row0, int col0, int tile_n) {
   const int lane = threadIdx.x % 32;
   const Softcap<T> softcap(out.softcap, out.softcap_inverse);
@@ -379,10 +469,10 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const 
     const bool row_ok = row < tiles.m;
     // The target's column, from this lane's first, where this lane holds it; else -1.
     const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - lane_col0 : -1;
-    const int t = target_col >= 0 && target_col < kGemmTileN ? static_cast<int>(target_col) : -1;
+    const int t = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
     float m = -infinity<float>();
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < kColumns / 8; ++j) {
       float lo = d[4 * j + 2 * upper], hi = d[4 * j + 2 * upper + 1];
       if (bias != nullptr) {
         lo += 8 * j < in_c ? static_cast<float>(bias[8 * j]) : 0.f;
@@ -400,7 +490,7 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const 
     m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 2));
     float sum = 0.f, others = 0.f, target_u = 0.f, logit_sum = 0.f, spread = 0.f;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < kColumns / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         if (8 * j + e >= in_c) continue;
@@ -437,15 +527,16 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[128], const 
 
 #endif  // FUSED_LOSSES_GEMM_SM90A
 
-// What a consumer warp does with its 16 x 256 sums of a tile: store them into C, or fold them
-// into the rows' statistics.
+// What a consumer warp does with its 16 x tile N sums of a tile (the schedule passed as a tag):
+// store them into C, or fold them into the rows' statistics.
 template <typename T>
 struct GemmStoreTile {
   T* c;
 #if FUSED_LOSSES_GEMM_SM90A
-  __device__ __forceinline__ void operator()(float (&d)[128], unsigned char* staging, const GemmTiles& tiles, int row0,
-                                             int col0, int) const {
-    gemm_store_warp_rows<T>(d, staging, c, tiles, row0, col0);
+  template <typename Schedule, int kSums>
+  __device__ __forceinline__ void operator()(Schedule, float (&d)[kSums], unsigned char* staging,
+                                             const GemmTiles& tiles, int row0, int col0, int) const {
+    gemm_store_warp_rows<T, 2 * kSums, Schedule::kStagingColumns>(d, staging, c, tiles, row0, col0);
   }
 #endif
 };
@@ -454,47 +545,77 @@ template <typename T>
 struct GemmRowStatsTile {
   GemmRowStats out;
 #if FUSED_LOSSES_GEMM_SM90A
-  __device__ __forceinline__ void operator()(float (&d)[128], unsigned char*, const GemmTiles& tiles, int row0,
-                                             int col0, int tile_n) const {
-    gemm_row_stats_warp_rows<T>(d, out, tiles, row0, col0, tile_n);
+  template <typename Schedule, int kSums>
+  __device__ __forceinline__ void operator()(Schedule, float (&d)[kSums], unsigned char*, const GemmTiles& tiles,
+                                             int row0, int col0, int tile_n) const {
+    gemm_row_stats_warp_rows<T, 2 * kSums>(d, out, tiles, row0, col0, tile_n);
   }
 #endif
 };
 
 #if FUSED_LOSSES_GEMM_SM90A
 
-// A consumer warpgroup: rows [64 consumer, 64 consumer + 64) of every tile. Each K block: wait
-// for its stage, issue 4 wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the
-// 128 B swizzle span), commit, and wait until only this group runs; the previous block's stage
-// is then read no more and each warp frees it (8 arrivals a stage).
-template <typename T, typename Epilogue>
+// A consumer warpgroup. Cooperative: rows [64 consumer, 64 consumer + 64) of every tile of the
+// block. Pingpong: all 128 rows (two 64-row blocks) of the block's tiles consumer, consumer + 2,
+// ..., its main loop after the other consumer's (turn[consumer], the header's parities), so that
+// its epilogue runs under the other's main loop. Each K block: wait for its stage, issue the
+// wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the 128 B swizzle span; each
+// row block), commit, and wait until only this group runs; the previous block's stage is then
+// read no more and each warp frees it.
+template <typename T, typename Schedule, typename Epilogue>
 __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared,
                                              const Epilogue& epilogue) {
+  constexpr bool kPingpong = Schedule::kPingpong;
   const int warp = (threadIdx.x % 128) / 32;
-  const bool releases = threadIdx.x % 32 == 0;
-  unsigned char* staging = shared.staging + (4 * consumer + warp) * kGemmStagingWarpBytes;
-  float d[128];
-  uint32_t step = 0;
-  for (int64_t t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+  const bool signals = threadIdx.x % 32 == 0;  // lane 0 arrives for its warp
+  unsigned char* staging = shared.staging + (4 * consumer + warp) * Schedule::kStagingWarpBytes;
+  const int first_row = kPingpong ? 0 : Schedule::kConsumerRows * consumer;  // of the tile
+  const int64_t tile_step = kPingpong ? 2 * int64_t(gridDim.x) : int64_t(gridDim.x);
+  float d[Schedule::kRowBlocks][Schedule::kSums];
+  // Pingpong: the block's tile 2i + consumer starts at step (2i + consumer) k_blocks.
+  uint32_t step = kPingpong ? consumer * tiles.k_blocks : 0;
+  uint32_t turn_parity = consumer == 0 ? 1 : 0;  // (i & 1) ^ (consumer == 0) for its i-th tile
+  for (int64_t t = blockIdx.x + (kPingpong ? consumer * int64_t(gridDim.x) : 0); t < tiles.count; t += tile_step) {
     const TileCoord tile = gemm_tile_coord(tiles, t);
 #pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    for (int block = 0; block < Schedule::kRowBlocks; ++block) {
+#pragma unroll
+      for (int i = 0; i < Schedule::kSums; ++i) d[block][i] = 0.f;
+    }
+    if constexpr (kPingpong) {
+      gemm_mbarrier_wait(&shared.turn[consumer], turn_parity);
+      turn_parity ^= 1;
+    }
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
-      const uint32_t stage = stage_of(step);
-      gemm_mbarrier_wait(&shared.full[stage], parity_of(step));
-      const uint64_t a = smem_descriptor_k_major_sw128(shared.a + stage * kGemmStageBytesA + consumer * 64 * 128);
-      const uint64_t b = smem_descriptor_k_major_sw128(shared.b + stage * kGemmStageBytesB);
+      const uint32_t stage = stage_of<Schedule>(step);
+      gemm_mbarrier_wait(&shared.full[stage], parity_of<Schedule>(step));
+      const unsigned char* a_rows = shared.a + stage * Schedule::kStageBytesA + first_row * 128;
+      const uint64_t b = smem_descriptor_k_major_sw128(shared.b + stage * Schedule::kStageBytesB);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kGemmTileK / 16; ++k) wgmma_m64n256k16<T>(d, a + 2 * k, b + 2 * k, 1);
+      for (int k = 0; k < kGemmTileK / 16; ++k) {
+#pragma unroll
+        for (int block = 0; block < Schedule::kRowBlocks; ++block) {
+          const uint64_t a = smem_descriptor_k_major_sw128(a_rows + block * 64 * 128);
+          wgmma_m64k16<T>(d[block], a + 2 * k, b + 2 * k, 1);
+        }
+      }
       wgmma_commit();
+      // Every wgmma of the tile is issued: the other consumer's main loop may queue behind them.
+      if (kPingpong && k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
       wgmma_wait<1>();
-      if (k_block > 0 && releases) gemm_mbarrier_arrive(&shared.empty[stage_of(step - 1)]);
+      if (k_block > 0 && signals) gemm_mbarrier_arrive(&shared.empty[stage_of<Schedule>(step - 1)]);
     }
     wgmma_wait<0>();
-    accumulators_ready(d);
-    if (releases) gemm_mbarrier_arrive(&shared.empty[stage_of(step - 1)]);
-    epilogue(d, staging, tiles, tile.m * kGemmTileM + 64 * consumer + 16 * warp, tile.n * kGemmTileN, tile.n);
+#pragma unroll
+    for (int block = 0; block < Schedule::kRowBlocks; ++block) accumulators_ready(d[block]);
+    if (signals) gemm_mbarrier_arrive(&shared.empty[stage_of<Schedule>(step - 1)]);
+    if constexpr (kPingpong) step += tiles.k_blocks;  // past the other consumer's next tile
+#pragma unroll
+    for (int block = 0; block < Schedule::kRowBlocks; ++block) {
+      epilogue(Schedule{}, d[block], staging, tiles, tile.m * kGemmTileM + first_row + 64 * block + 16 * warp,
+               tile.n * Schedule::kTileN, tile.n);
+    }
   }
 }
 
@@ -509,26 +630,30 @@ static_assert(128 * kGemmProducerRegisters + 128 * kGemmConsumers * kGemmConsume
                   kGemmThreads * kGemmLaunchRegisters,
               "setmaxnreg's split exceeds the block's registers at launch");
 
-// Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, 256}, 128 B swizzle.
+// Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, tile N}, 128 B swizzle.
 // CUtensorMap is a CUDA 12 type (cuda.h); CUDA 11.8 builds have no kernel (the launcher refuses).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
-// Epilogue: GemmStoreTile<T> (C = A B^T) or GemmRowStatsTile<T> (the rows' statistics).
-template <typename T, typename Epilogue>
+// Schedule: GemmCooperative or GemmPingpong. Epilogue: GemmStoreTile<T> (C = A B^T) or
+// GemmRowStatsTile<T> (the rows' statistics).
+template <typename T, typename Schedule, typename Epilogue>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_nt_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                    const GemmTiles tiles, const Epilogue epilogue) {
 #if FUSED_LOSSES_GEMM_SM90A
   extern __shared__ unsigned char shared_raw[];
   unsigned char* base = align_shared<kGemmSmemAlign>(shared_raw);
-  const GemmShared shared{base, base + kGemmOffsetB, base + kGemmOffsetStaging,
-                          reinterpret_cast<uint64_t*>(base + kGemmOffsetBarriers),
-                          reinterpret_cast<uint64_t*>(base + kGemmOffsetBarriers) + kGemmStages};
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(base + Schedule::kOffsetBarriers);
+  const GemmShared shared{base,     base + Schedule::kOffsetB,     base + Schedule::kOffsetStaging,
+                          barriers, barriers + Schedule::kStages, barriers + 2 * Schedule::kStages};
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&a_map);
     prefetch_tensor_map(&b_map);
-    for (int s = 0; s < kGemmStages; ++s) {
+    for (int s = 0; s < Schedule::kStages; ++s) {
       mbarrier_init(&shared.full[s], 1);
-      mbarrier_init(&shared.empty[s], kGemmConsumerWarps);
+      mbarrier_init(&shared.empty[s], Schedule::kReleaseArrivals);
+    }
+    if (Schedule::kPingpong) {
+      for (int c = 0; c < kGemmConsumers; ++c) mbarrier_init(&shared.turn[c], kGemmConsumerWarps / kGemmConsumers);
     }
   }
   __syncthreads();  // the barriers are initialized before any thread uses them
@@ -536,10 +661,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<kGemmProducerRegisters>();
-    if (threadIdx.x == 0) gemm_produce(&a_map, &b_map, tiles, shared);
+    if (threadIdx.x == 0) gemm_produce<Schedule>(&a_map, &b_map, tiles, shared);
   } else {
     registers_increase<kGemmConsumerRegisters>();
-    gemm_consume<T>(warpgroup - 1, tiles, shared, epilogue);
+    gemm_consume<T, Schedule>(warpgroup - 1, tiles, shared, epilogue);
   }
 #else
   __trap();

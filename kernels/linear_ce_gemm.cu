@@ -1,10 +1,12 @@
-// linear_ce_gemm.cu: our own sm_90a matrix product for linear_cross_entropy (stage 1 of
-// scratch/gemm_plan.md: the bare product, no loss yet), as the op gemm_nt(a, b) = a @ b.T.
+// linear_ce_gemm.cu: our own sm_90a matrix product for linear_cross_entropy (scratch/gemm_plan.md),
+// as the ops gemm_nt(a, b) = a @ b.T and row_stats (the same product's rows' softmax statistics
+// per tile of classes, no logits written), each under a cooperative or a pingpong schedule
+// (gemm_sm90.cuh; the launcher's choice below, or the caller's).
 //
 //   C[i, j] = sum_k A[i, k] B[j, k]   A (M, K), B (N, K), C (M, N); bfloat16 or float16, float32 sums
 //
-// Bytes: 2 (MK + NK + MN) at least; the tiles re-read A N/256 times and B M/128 times, from L2
-// when the grouped schedule works (gemm_sm90.cuh). FLOPs 2 MNK: Llama 3's head at 8192 rows,
+// Bytes: 2 (MK + NK + MN) at least; the tiles re-read A N/256 (N/192) times and B M/128 times, from
+// L2 when the grouped schedule works (gemm_sm90.cuh). FLOPs 2 MNK: Llama 3's head at 8192 rows,
 // 8192 x 128256 x 4096, is 8.6 TFLOP, 11.7 ms at cuBLAS's 737 TFLOP/s on an H100.
 //
 // Built for arch "9.0a" only (loader.load("linear_ce_gemm", dtype, arch="9.0a")); a build for
@@ -26,7 +28,27 @@ namespace fused_losses {
 __device__ int gemm_built_for_sm90a = FUSED_LOSSES_GEMM_SM90A;
 
 // ---------------------------------------------------------------------------------
-// Host: preconditions, tensor maps, launch.
+// Host: the schedules' choice, preconditions, tensor maps, launch.
+
+// Which schedule each product runs when the call leaves it to the launcher (schedule 0). The
+// statistics epilogue is hidden only by pingpong (under the other consumer's main loop); the
+// plain store costs the cooperative tile nothing, and its 128 x 256 tile reads 11% fewer bytes
+// a FLOP from L2: it stays until pingpong's store is measured no slower (scripts/gemm_bench.py
+// times both). The tests run both schedules with both epilogues.
+constexpr GemmScheduleCode kStoreProductSchedule = kGemmScheduleCooperative;
+constexpr GemmScheduleCode kStatsProductSchedule = kGemmSchedulePingpong;
+
+static bool runs_pingpong(int64_t schedule, GemmScheduleCode products_choice) {
+  return (schedule == kGemmScheduleDefault ? products_choice : schedule) == kGemmSchedulePingpong;
+}
+
+int64_t gemm_row_stats_tile_columns(int64_t schedule) {
+  if (schedule != kGemmScheduleDefault && schedule != kGemmScheduleCooperative && schedule != kGemmSchedulePingpong) {
+    throw std::invalid_argument("fused_losses: linear_ce_gemm's schedule must be 0 (the launcher's choice), 1 "
+                                "(cooperative) or 2 (pingpong)");
+  }
+  return runs_pingpong(schedule, kStatsProductSchedule) ? GemmPingpong::kTileN : GemmCooperative::kTileN;
+}
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
 
@@ -92,16 +114,19 @@ CUtensorMap k_major_tensor_map(const void* base, int64_t rows, int64_t k, int64_
 }
 
 // Group size of the grouped raster: 8 or 16 M tiles, whichever keeps fewer rows of A and B
-// live across the blocks running at once (group x 128 rows of A, grid / group x 256 of B).
+// live across the tiles running at once (group x 128 rows of A, tiles / group x tile N of B;
+// pingpong runs two tiles a block).
+template <typename Schedule>
 int group_for(int64_t grid, int tiles_m) {
-  auto live_rows = [&](int group) { return group * kGemmTileM + (grid + group - 1) / group * kGemmTileN; };
+  const int64_t at_once = Schedule::kPingpong ? 2 * grid : grid;
+  auto live_rows = [&](int group) { return group * kGemmTileM + (at_once + group - 1) / group * Schedule::kTileN; };
   const int group = live_rows(16) < live_rows(8) ? 16 : 8;
   return group < tiles_m ? group : tiles_m;
 }
 
 // The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T,
-// Epilogue> over call's tiles; make_epilogue(T tag) gives the epilogue.
-template <typename MakeEpilogue>
+// Schedule, Epilogue> over call's tiles; make_epilogue(T tag) gives the epilogue.
+template <typename Schedule, typename MakeEpilogue>
 void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogue make_epilogue) {
   // Literal messages only: a std::string thrown from an extension crashed one toolchain (notes, v54).
   check(device_is_sm90(context.device),
@@ -124,7 +149,7 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
     if constexpr (sizeof(T) == 2) {
       GemmTiles tiles;
       tiles.tiles_m = static_cast<int>((call.m + kGemmTileM - 1) / kGemmTileM);
-      tiles.tiles_n = static_cast<int>((call.n + kGemmTileN - 1) / kGemmTileN);
+      tiles.tiles_n = static_cast<int>((call.n + Schedule::kTileN - 1) / Schedule::kTileN);
       tiles.k_blocks = static_cast<int>((call.k + kGemmTileK - 1) / kGemmTileK);
       tiles.count = int64_t(tiles.tiles_m) * tiles.tiles_n;
       tiles.m = static_cast<int>(call.m);
@@ -132,14 +157,14 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
       tiles.ldc = call.ldc;
       int64_t grid = std::min<int64_t>(multiprocessor_count(context.device), tiles.count);
       if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
-      tiles.group = group_for(grid, tiles.tiles_m);
+      tiles.group = group_for<Schedule>(grid, tiles.tiles_m);
       const auto epilogue = make_epilogue(tag);
-      auto kernel = &gemm_nt_kernel<T, std::decay_t<decltype(epilogue)>>;
-      check(max_dynamic_smem(kernel, context.device) >= size_t(kGemmSmemBytes),
-            "linear_ce_gemm's products need 225 KB of shared memory a block, more than this GPU gives");
+      auto kernel = &gemm_nt_kernel<T, Schedule, std::decay_t<decltype(epilogue)>>;
+      check(max_dynamic_smem(kernel, context.device) >= size_t(Schedule::kSmemBytes),
+            "linear_ce_gemm's products need up to 225 KB of shared memory a block, more than this GPU gives");
       const CUtensorMap a_map = k_major_tensor_map(call.a, call.m, call.k, call.lda, kGemmTileM, call.dtype);
-      const CUtensorMap b_map = k_major_tensor_map(call.b, call.n, call.k, call.ldb, kGemmTileN, call.dtype);
-      launch_kernel(kernel, grid, kGemmThreads, kGemmSmemBytes, 1, context.device, context.stream, a_map, b_map,
+      const CUtensorMap b_map = k_major_tensor_map(call.b, call.n, call.k, call.ldb, Schedule::kTileN, call.dtype);
+      launch_kernel(kernel, grid, kGemmThreads, Schedule::kSmemBytes, 1, context.device, context.stream, a_map, b_map,
                     tiles, epilogue);
     } else {
       throw std::invalid_argument("fused_losses: linear_ce_gemm's products take bfloat16 or float16 operands");
@@ -147,14 +172,27 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
   });
 }
 
+// The product's launch under the schedule the call names, or else the product's own choice.
+template <typename MakeEpilogue>
+void launch_scheduled(const GemmCall& call, GemmScheduleCode products_choice, const LaunchContext& context,
+                      MakeEpilogue make_epilogue) {
+  if (runs_pingpong(call.schedule, products_choice)) {
+    launch_gemm<GemmPingpong>(call, context, make_epilogue);
+  } else {
+    launch_gemm<GemmCooperative>(call, context, make_epilogue);
+  }
+}
+
 }  // namespace
 
 void gemm_nt_launch(const GemmCall& call, const LaunchContext& context) {
-  launch_gemm(call, context, [&](auto tag) { return GemmStoreTile<decltype(tag)>{static_cast<decltype(tag)*>(call.c)}; });
+  launch_scheduled(call, kStoreProductSchedule, context,
+                   [&](auto tag) { return GemmStoreTile<decltype(tag)>{static_cast<decltype(tag)*>(call.c)}; });
 }
 
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context) {
-  launch_gemm(call, context, [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
+  launch_scheduled(call, kStatsProductSchedule, context,
+                   [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
 }
 
 #else  // CUDA 11.8: no tensor maps, no sm_90a

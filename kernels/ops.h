@@ -133,7 +133,13 @@ void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext
 
 // C = A B^T on sm_90a (linear_ce_gemm.cu): A (m, k) and B (n, k) with row strides lda, ldb
 // (elements, K contiguous), C (m, n) with row stride ldc, all of `dtype` (float16 or bfloat16).
-// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it).
+// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it). schedule: one
+// of GemmScheduleCode, the kernel's schedule (gemm_sm90.cuh); tests and benchmarks name one.
+enum GemmScheduleCode : int64_t {
+  kGemmScheduleDefault = 0,      // the launcher's choice for the product (linear_ce_gemm.cu)
+  kGemmScheduleCooperative = 1,  // 128 x 256 tiles, both consumer warpgroups on each
+  kGemmSchedulePingpong = 2,     // 128 x 192 tiles, one consumer each, epilogue under the other's main loop
+};
 struct GemmCall {
   DType dtype;
   int64_t m, n, k;
@@ -144,13 +150,14 @@ struct GemmCall {
   void* c;
   int64_t ldc;
   int64_t max_blocks;
+  int64_t schedule;
 };
 
 void gemm_nt_launch(const GemmCall& call, const LaunchContext& context);
 
-// The same product's rows' statistics over each tile of kGemmRowStatsTile classes instead of C
-// (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of u = softcap(logit + bias) / T.
-constexpr int kGemmRowStatsTile = 256;
+// The same product's rows' statistics over each tile of gemm_row_stats_tile_columns(schedule)
+// classes instead of C (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of
+// u = softcap(logit + bias) / T.
 struct GemmRowStats {
   float* partials;
   const void* target;  // (m,) int64, or int32 where target_int32
@@ -161,6 +168,8 @@ struct GemmRowStats {
   int stat_rows;       // 5, or 6 with the entropy's sum
   bool target_int32;
 };
+// Classes a tile of row_stats' partials covers under `schedule` (a GemmScheduleCode): 256 or 192.
+int64_t gemm_row_stats_tile_columns(int64_t schedule);
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
 
 }  // namespace fused_losses

@@ -1,5 +1,6 @@
-"""linear_ce_gemm's gemm_nt (kernels/gemm_sm90.cuh, stage 1 of scratch/gemm_plan.md): a @ b.T on
-sm_90a, against float64 of the same 2-byte inputs, and the same bits on every run and grid.
+"""linear_ce_gemm's gemm_nt and row_stats (kernels/gemm_sm90.cuh, scratch/gemm_plan.md): a @ b.T on
+sm_90a, against float64 of the same 2-byte inputs, and the same bits on every run and grid; each
+under both schedules (cooperative 128 x 256 tiles, pingpong 128 x 192), named by the tests.
 
 Needs a compute capability 9.0 GPU (H100, H200): the kernel is sm_90a code, built with
 loader.load("linear_ce_gemm", dtype, arch="9.0a"). Elsewhere every test skips.
@@ -17,18 +18,25 @@ def _is_sm90() -> bool:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs a cc 9.0 GPU (sm_90a kernel)")]
 
 DTYPES = [torch.bfloat16, torch.float16]
+# The ops' schedule argument (kernels/ops.h, GemmScheduleCode): 0 is the launcher's choice.
+SCHEDULES = {"cooperative": 1, "pingpong": 2}
+TILE_COLUMNS = {1: 256, 2: 192}  # classes a tile of row_stats' partials covers
+schedules = pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
 
-# (m, n, k), each hitting a regime of the 128 x 256 x 64 tiles and the persistent grid.
+# (m, n, k), each hitting a regime of the tiles (128 x 256 cooperative, 128 x 192 pingpong; K
+# blocks of 64, 4 or 5 stages) and the persistent grid.
 SHAPES = [
-    (4096, 4096, 4096),      # square, 512 tiles: ~4 waves of 132 blocks
-    (1024, 128256, 4096),    # Llama 3's head over 1024 rows: 8 x 501 tiles, group of 8 M tiles
+    (4096, 4096, 4096),      # square, 512 (704) tiles: ~4 (~5) waves of 132 blocks
+    (1024, 128256, 4096),    # Llama 3's head over 1024 rows: 8 x 501 (668) tiles, group of 8 M tiles
     (1, 1000, 512),          # one row: A's 128-row box all but one row out of bounds (zeros)
-    (127, 256, 64),          # one partial M tile, exactly one N tile and one K block
+    (127, 256, 64),          # one partial M tile, one (two) N tiles and one K block
     (129, 257, 72),          # one row and one column past a tile, a partial K block
-    (128, 256, 64),          # exactly one tile
-    (300, 2000, 256),        # 3 x 8 = 24 tiles: fewer than the multiprocessors
+    (128, 256, 64),          # exactly one cooperative tile; pingpong: one full and one partial
+    (128, 192, 64),          # exactly one pingpong tile; cooperative: a partial one
+    (300, 2000, 256),        # 3 x 8 (11) tiles: fewer than the multiprocessors; 4 K blocks < 5 stages
     (256, 255, 4104),        # N one short of a tile; K one 8-element step past 64 blocks
-    (200, 50257, 8),         # GPT-2's vocabulary (ragged, rows not 16 B-aligned: 2 B stores); K = 8
+    (200, 50257, 8),         # GPT-2's vocabulary (ragged, rows not 16 B-aligned: 2 B stores); K = 8, one K
+                             # block a tile: pingpong's turns come faster than its stages
     (513, 1024, 4104),       # ragged M over several tiles, K ragged
 ]
 
@@ -49,9 +57,9 @@ def poisoned(m, n, dtype):
     return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
 
 
-def gemm(builds, a, b, max_blocks=0):
+def gemm(builds, a, b, max_blocks=0, schedule=0):
     out = poisoned(a.shape[0], b.shape[0], a.dtype)
-    result = builds[a.dtype].gemm_nt(a, b, out, max_blocks)
+    result = builds[a.dtype].gemm_nt(a, b, out, max_blocks, schedule)
     assert result.data_ptr() == out.data_ptr()
     return out
 
@@ -67,22 +75,24 @@ def assert_close_to_float64(ours, a, b):
     assert our_error <= 1.5 * their_error + eps, (our_error, their_error)
 
 
+@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_gemm_nt_matches_float64(builds, m, n, k, dtype):
+def test_gemm_nt_matches_float64(builds, m, n, k, dtype, schedule):
     a, b = random_operands(m, n, k, dtype)
-    assert_close_to_float64(gemm(builds, a, b), a, b)
+    assert_close_to_float64(gemm(builds, a, b, schedule=schedule), a, b)
 
 
+@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_operands_and_output(builds, dtype):
+def test_strided_operands_and_output(builds, dtype, schedule):
     """Row strides above k for both operands (views of wider tensors) and an output with row
     stride above n: the tensor maps' strides and the epilogue's ldc."""
     m, n, k = 300, 700, 520
     a, b = random_operands(m, n, k, dtype, a_stride=k + 64, b_stride=k + 8)
     wide = torch.full((m, n + 24), float("nan"), device="cuda", dtype=dtype)
     out = wide[:, :n]
-    builds[dtype].gemm_nt(a, b, out, 0)
+    builds[dtype].gemm_nt(a, b, out, 0, schedule)
     assert_close_to_float64(out, a, b)
     assert wide[:, n:].isnan().all(), "wrote past the output's columns"
 
@@ -90,43 +100,57 @@ def test_strided_operands_and_output(builds, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_new_output_when_none_given(builds, dtype):
     a, b = random_operands(130, 300, 64, dtype)
-    ours = builds[dtype].gemm_nt(a, b, None, 0)
+    ours = builds[dtype].gemm_nt(a, b, None, 0, 0)
     assert ours.shape == (130, 300) and ours.is_contiguous()
     assert_close_to_float64(ours, a, b)
 
 
+@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (513, 50257, 264), (1024, 128256, 1024)])
-def test_same_bits_every_run_and_grid(builds, m, n, k, dtype):
-    """Three runs, then grids of 66 and 7 blocks: each tile's K order is fixed and one block
-    owns it, so which block runs it, or when, changes no bit."""
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (513, 50257, 264), (1024, 128256, 1024), (513, 20000, 72)])
+def test_same_bits_every_run_and_grid(builds, m, n, k, dtype, schedule):
+    """Three runs, then grids of 66, 7 and 1 blocks: each tile's K order is fixed and one block (one
+    consumer, pingpong) owns it, so which block runs it, or when, changes no bit. Pingpong at 7 and 1
+    blocks: a long alternation of turns, odd and even tile counts; K = 72: 2 K blocks < 5 stages."""
     a, b = random_operands(m, n, k, dtype)
-    first = gemm(builds, a, b)
-    for max_blocks in (0, 0, 66, 7):
-        assert torch.equal(gemm(builds, a, b, max_blocks), first), max_blocks
+    first = gemm(builds, a, b, schedule=schedule)
+    for max_blocks in (0, 0, 66, 7, 1):
+        assert torch.equal(gemm(builds, a, b, max_blocks, schedule), first), max_blocks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_and_zero_k(builds, dtype):
     ops = builds[dtype]
-    assert ops.gemm_nt(*random_operands(0, 5, 8, dtype), None, 0).shape == (0, 5)
-    assert ops.gemm_nt(*random_operands(5, 0, 8, dtype), None, 0).shape == (5, 0)
+    assert ops.gemm_nt(*random_operands(0, 5, 8, dtype), None, 0, 0).shape == (0, 5)
+    assert ops.gemm_nt(*random_operands(5, 0, 8, dtype), None, 0, 0).shape == (5, 0)
     a, b = random_operands(5, 6, 0, dtype)
-    assert torch.equal(ops.gemm_nt(a, b, poisoned(5, 6, dtype), 0), torch.zeros(5, 6, device="cuda", dtype=dtype))
+    assert torch.equal(ops.gemm_nt(a, b, poisoned(5, 6, dtype), 0, 0), torch.zeros(5, 6, device="cuda", dtype=dtype))
 
 
 def test_refuses_what_the_copy_engine_cannot_read(builds):
     ops = builds[torch.bfloat16]
     a, b = random_operands(64, 64, 12, torch.bfloat16)  # 24 B rows: not a multiple of 16 B
     with pytest.raises(ValueError, match="multiples of 8"):
-        ops.gemm_nt(a, b, None, 0)
+        ops.gemm_nt(a, b, None, 0, 0)
     a, b = random_operands(64, 64, 64, torch.bfloat16, a_stride=68)  # row stride 136 B
     with pytest.raises(ValueError, match="multiples of 8"):
-        ops.gemm_nt(a, b, None, 0)
+        ops.gemm_nt(a, b, None, 0, 0)
     with pytest.raises(ValueError, match="bfloat16 or both float16"):
-        ops.gemm_nt(a.float(), b.float(), None, 0)
+        ops.gemm_nt(a.float(), b.float(), None, 0, 0)
     with pytest.raises(ValueError, match="both bfloat16 or both float16"):
-        ops.gemm_nt(a, b.half(), None, 0)
+        ops.gemm_nt(a, b.half(), None, 0, 0)
+    a, b = random_operands(64, 64, 64, torch.bfloat16)
+    for schedule in (-1, 3):
+        with pytest.raises(ValueError, match="schedule must be 0"):
+            ops.gemm_nt(a, b, None, 0, schedule)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_launchers_choice_is_a_schedule(builds, dtype):
+    """Schedule 0 runs one of the two (linear_ce_gemm.cu's kStoreProductSchedule): the same bits."""
+    a, b = random_operands(300, 2000, 264, dtype)
+    default = gemm(builds, a, b)
+    assert any(torch.equal(default, gemm(builds, a, b, schedule=code)) for code in SCHEDULES.values())
 
 
 # ---------------------------------------------------------------------------------
@@ -147,19 +171,22 @@ def targets(m, n, int32=False):
     return target.int() if int32 else target
 
 
+@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(300, 50257, 264), (129, 1000, 72), (1024, 128256, 512), (1, 300, 8)])
 @pytest.mark.parametrize("stat_rows", [5, 6])
 @pytest.mark.parametrize("softcap,temperature", [(0.0, 1.0), (0.0, 0.7), (30.0, 0.7)])
-def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softcap, temperature):
-    """Random operands, no bias: the epilogue's logits are gemm_nt's (the same sums rounded alike), so the
-    statistics are the row passes' over gemm_nt's output: max and target exactly, the sums to float32's
-    rounding (a tile's sum then the tiles', against the row passes' lanes)."""
+def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softcap, temperature, schedule):
+    """Random operands, no bias: the epilogue's logits are gemm_nt's under the same schedule (the same sums
+    rounded alike), so the statistics are the row passes' over gemm_nt's output: max and target exactly,
+    the sums to float32's rounding (a tile's sum then the tiles', against the row passes' lanes)."""
     import row_passes
     a, b = random_operands(m, n, k, dtype)
     target = targets(m, n, int32=m == 300)
-    ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, None, target, softcap, temperature, stat_rows, 0))
-    theirs = row_pass_stats(gemm(builds, a, b), target, softcap, temperature, stat_rows)
+    partials = builds[dtype].row_stats(a, b, None, target, softcap, temperature, stat_rows, 0, schedule)
+    assert partials.shape == (-(-n // TILE_COLUMNS[schedule]), stat_rows, m)
+    ours = row_passes.combine_tiles(partials)
+    theirs = row_pass_stats(gemm(builds, a, b, schedule=schedule), target, softcap, temperature, stat_rows)
     assert ours.shape == theirs.shape == (stat_rows, m)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
     for row in (1, 3, 4, 5)[:stat_rows - 2]:
@@ -167,9 +194,10 @@ def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softc
         assert (ours[row] - theirs[row]).abs().max() <= 2e-6 * scale * max(1, n / 4096), row
 
 
+@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
+def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias, schedule):
     """Operands and bias on a grid of 1/4 (every logit exact in float32 and in the 2-byte dtype, whatever
     the order of the sums), masked classes (-inf bias, a masked target among them), N ragged: the
     statistics equal the row passes' over F.linear's logits."""
@@ -185,7 +213,8 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
         target[3] = 150  # a masked target: its u is -inf, as the row passes keep it
     logits = torch.nn.functional.linear(a, b, bias_)
     for stat_rows in (5, 6):
-        ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0))
+        ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0,
+                                                                schedule))
         theirs = row_pass_stats(logits, target, 0.0, 0.7, stat_rows)
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
         for row in range(1, stat_rows):  # sums in another order: float32's rounding of the largest term's size
@@ -194,15 +223,29 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
             torch.testing.assert_close(ours[row], theirs[row], rtol=0, atol=4e-6 * scale, msg=f"row {row}")
 
 
+@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_stats_same_bits_every_run_and_grid(builds, dtype):
+def test_row_stats_same_bits_every_run_and_grid(builds, dtype, schedule):
+    """As gemm_nt's: grids of 66, 7 and 1 blocks; 5 tiles of M, so a pingpong block's consumers own
+    tiles of both epilogue halves' rows masked and not."""
     import row_passes
     a, b = random_operands(513, 50257, 264, dtype)
     target = targets(513, 50257)
-    first = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0)
-    for max_blocks in (0, 66, 7):
-        assert torch.equal(builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, max_blocks), first)
+    first = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0, schedule)
+    for max_blocks in (0, 66, 7, 1):
+        assert torch.equal(builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, max_blocks, schedule), first)
     assert row_passes.combine_tiles(first).isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_stats_launchers_choice_is_a_schedule(builds, dtype):
+    """Schedule 0 runs one of the two (linear_ce_gemm.cu's kStatsProductSchedule): its tile width and bits."""
+    a, b = random_operands(300, 2000, 264, dtype)
+    target = targets(300, 2000)
+    default = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0, 0)
+    assert any(default.shape[0] == -(-2000 // TILE_COLUMNS[code]) and
+               torch.equal(default, builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code))
+               for code in SCHEDULES.values())
 
 
 def test_row_stats_refuses_bad_arguments(builds):
@@ -210,13 +253,15 @@ def test_row_stats_refuses_bad_arguments(builds):
     a, b = random_operands(64, 300, 64, torch.bfloat16)
     target = targets(64, 300)
     with pytest.raises(ValueError, match="stat_rows must be 5 or 6"):
-        ops.row_stats(a, b, None, target, 0.0, 1.0, 4, 0)
+        ops.row_stats(a, b, None, target, 0.0, 1.0, 4, 0, 0)
     with pytest.raises(ValueError, match="target must be"):
-        ops.row_stats(a, b, None, target[:10], 0.0, 1.0, 5, 0)
+        ops.row_stats(a, b, None, target[:10], 0.0, 1.0, 5, 0, 0)
     with pytest.raises(ValueError, match="bias must be"):
-        ops.row_stats(a, b, torch.zeros(299, device="cuda", dtype=torch.bfloat16), target, 0.0, 1.0, 5, 0)
+        ops.row_stats(a, b, torch.zeros(299, device="cuda", dtype=torch.bfloat16), target, 0.0, 1.0, 5, 0, 0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0)
+        ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0, 0)
+    with pytest.raises(ValueError, match="schedule must be 0"):
+        ops.row_stats(a, b, None, target, 0.0, 1.0, 5, 0, 7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
