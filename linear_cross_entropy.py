@@ -165,8 +165,9 @@ def fold_linear(x, weight, bias, target, start: int, softcap: float, temperature
     rows, local = x.shape[0], weight.shape[0]
     if fused_product(x, weight, bias):
         ops = helpers.kernel_ops("linear_ce_gemm", x)
-        partials = ops.row_stats(x, weight, None if bias is None else bias.contiguous(),
-                                 target - start if start else target, float(softcap), float(temperature), stat_rows, 0)
+        local_target = target - start if start else target
+        partials = ops.row_stats(x, weight, None if bias is None else bias.contiguous(), local_target, float(softcap),
+                                 float(temperature), stat_rows, 0, 0)  # the launcher's grid and schedule
         return row_passes.combine_tiles(partials)
     stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
     for first, w, b in _chunks(weight, bias, chunk_width(rows, local, x.element_size())):
