@@ -80,6 +80,7 @@ KERNEL_OPS = {
         "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks, int schedule) -> Tensor",
         "row_stats": ("(Tensor a, Tensor b, Tensor? bias, Tensor target, float softcap, float temperature, "
                       "int stat_rows, int max_blocks, int schedule) -> Tensor"),
+        "combine_row_stats": "(Tensor partials) -> Tensor",
     },
 }
 

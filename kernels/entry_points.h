@@ -645,4 +645,22 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
   return partials;
 }
 
+// row_stats' partials (tiles, stat_rows, rows) float32 combined into the rows' statistics (stat_rows,
+// rows), as row_passes.combine_tiles does in torch ops, in one pass.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_COMBINE_ROW_STATS_RETURNS linear_ce_gemm_combine_row_stats(
+    FUSED_LOSSES_LINEAR_CE_GEMM_COMBINE_ROW_STATS_PARAMS) {
+  TORCH_CHECK_VALUE(partials.is_cuda() && partials.dim() == 3 && partials.scalar_type() == at::kFloat &&
+                        partials.is_contiguous() && partials.size(0) > 0 &&
+                        (partials.size(1) == 5 || partials.size(1) == 6),
+                    "combine_row_stats: partials must be a contiguous (tiles > 0, 5 or 6, rows) float32 CUDA tensor");
+  const int64_t tiles = partials.size(0), stat_rows = partials.size(1), rows = partials.size(2);
+  at::Tensor stats = at::empty({stat_rows, rows}, partials.options());
+  CallContext context(partials);
+  run_kernels([&] {
+    combine_row_stats_launch(partials.data_ptr<float>(), stats.data_ptr<float>(), tiles, static_cast<int>(stat_rows),
+                             rows, context.launch());
+  });
+  return stats;
+}
+
 }  // namespace fused_losses

@@ -16,6 +16,7 @@
 #include "gemm_sm90.cuh"
 #include "grad_output_guess.cuh"  // scale_by_grad_output_launch, which every build binds
 #include "launch.cuh"
+#include "row_stats_combine.cuh"
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000

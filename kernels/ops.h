@@ -171,5 +171,9 @@ struct GemmRowStats {
 // Classes a tile of row_stats' partials covers under `schedule` (a GemmScheduleCode): 256 or 192.
 int64_t gemm_row_stats_tile_columns(int64_t schedule);
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
+// row_stats' partials (tiles, stat_rows, rows) combined into the rows' (stat_rows, rows), float32
+// (row_stats_combine.cuh).
+void combine_row_stats_launch(const float* partials, float* stats, int64_t tiles, int stat_rows, int64_t rows,
+                              const LaunchContext& context);
 
 }  // namespace fused_losses

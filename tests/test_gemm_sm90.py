@@ -291,3 +291,22 @@ def test_linear_losses_through_the_fused_product(builds, dtype, softcap, bias, m
     monkeypatch.setattr(linear_cross_entropy, "fused_product", lambda *arguments: False)
     for ours, theirs in zip(fused, outputs()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stat_rows", [5, 6])
+def test_combine_row_stats_is_combine_tiles(builds, stat_rows):
+    """The combine kernel against its torch twin on the partials of a real product, with masked tiles (every
+    class -inf: max -inf, sums 0), a NaN row and a row of one tile: float32's rounding of the sums' order."""
+    import row_passes
+    a, b = random_operands(300, 50257, 264, torch.bfloat16)
+    bias = torch.zeros(50257, device="cuda", dtype=torch.bfloat16)
+    bias[:1024] = float("-inf")  # whole tiles masked
+    a[7, 3] = float("nan")
+    target = targets(300, 50257)
+    partials = builds[torch.bfloat16].row_stats(a, b, bias, target, 0.0, 0.7, stat_rows, 0, 0)
+    ours = builds[torch.bfloat16].combine_row_stats(partials)
+    theirs = row_passes.combine_tiles(partials)
+    assert ours[1, 7].isnan() and theirs[1, 7].isnan()  # a NaN logit lives on in the sums, as the row passes'
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, equal_nan=True)
+    one = builds[torch.bfloat16].combine_row_stats(partials[:1].contiguous())
+    torch.testing.assert_close(one, row_passes.combine_tiles(partials[:1]), rtol=0, atol=0, equal_nan=True)
