@@ -103,16 +103,23 @@ def main(argv=None) -> int:
                 alone_ms = [timed_median(lambda: ops.row_stats(a, b, None, target, 0.0, 0.7, rows, 0, code), args.runs,
                                          args.warmup) for rows in (6, 5)]
                 partials = ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code)
-                combine_ms = timed_median(lambda: row_passes.combine_tiles(partials), args.runs, args.warmup)
-                fused = lambda: row_passes.combine_tiles(ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code))
+                combine_ms = timed_median(lambda: ops.combine_row_stats(partials), args.runs, args.warmup)
+                fused = lambda: ops.combine_row_stats(ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code))
                 stats_ms = timed_median(fused, args.runs, args.warmup)
                 print(f"{'':>22} {name:>11} row_stats alone {alone_ms[0]:.3f} ms (5 rows: {alone_ms[1]:.3f}), "
                       f"combine {combine_ms:.3f}, both {stats_ms:.3f} ({torch_ms / stats_ms:.3f} of torch.mm's speed)")
                 del partials
-            with torch.no_grad():
-                today_ms = timed_median(lambda: losses.linear_log_probs(a, b, target, temperature=0.7,
-                                                                        return_entropy=True), args.runs, args.warmup)
-            print(f"{'':>22} linear_log_probs eval today (cuBLAS + row passes) {today_ms:.3f} ms")
+            import linear_cross_entropy
+            chosen = linear_cross_entropy.fused_product
+            eval_ms = {}
+            for path, decide in (("fused product", chosen), ("cuBLAS + row passes", lambda *arguments: False)):
+                linear_cross_entropy.fused_product = decide
+                with torch.no_grad():
+                    eval_ms[path] = timed_median(lambda: losses.linear_log_probs(
+                        a, b, target, temperature=0.7, return_entropy=True), args.runs, args.warmup)
+            linear_cross_entropy.fused_product = chosen
+            print(f"{'':>22} linear_log_probs eval (T 0.7, entropy): " +
+                  ", ".join(f"{path} {ms:.3f} ms" for path, ms in eval_ms.items()))
         del a, b, ours, theirs
         torch.cuda.empty_cache()
     return 0
