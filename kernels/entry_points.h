@@ -567,9 +567,9 @@ inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_
                          reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0),
                     "linear_ce_gemm: k and the row strides must be multiples of 8 and a, b 16 B-aligned (the copy "
                     "engine moves 16 B-aligned rows)");
-  TORCH_CHECK_VALUE(schedule == kGemmScheduleDefault || schedule == kGemmScheduleCooperative ||
-                        schedule == kGemmSchedulePingpong,
-                    "linear_ce_gemm: schedule must be 0 (the launcher's choice), 1 (cooperative) or 2 (pingpong)");
+  TORCH_CHECK_VALUE(schedule >= kGemmScheduleDefault && schedule <= kGemmSchedulePingpongCluster,
+                    "linear_ce_gemm: schedule must be 0 (the launcher's choice), 1 (cooperative), 2 (pingpong), 3 "
+                    "(cooperative, clusters of 2) or 4 (pingpong, clusters of 2)");
   GemmCall call{};
   call.dtype = dtype_of(a);
   call.m = m;

@@ -6,7 +6,8 @@
 // operands from shared memory, float32 sums in registers, then the epilogue: store C, or each
 // row's statistics). Persistent: one block a multiprocessor walks tiles blockIdx.x, + gridDim.x,
 // ... in a grouped order (GemmTiles), the same for every run; each output tile has one owner and
-// a fixed K order: the same bits every run, whatever the grid. Two schedules (GemmSchedule):
+// a fixed K order: the same bits every run, whatever the grid. Two schedules (GemmSchedule),
+// each alone or in clusters of 2 blocks (below):
 //
 // Cooperative (stage 1): a 128 x 256 tile a block, each consumer 64 of its rows (m64n256k16, 128
 // sums a thread), 4 stages of (128 + 256) x 64 x 2 B = 48 KB. Napkin (H100 SXM, 132 SMs, 989
@@ -36,13 +37,47 @@
 // gemm_nt keeps the cooperative schedule unless pingpong's store proves as fast (the launcher's
 // named choice, linear_ce_gemm.cu); the tests run both schedules with both epilogues.
 //
+// Clusters of 2 (stage 3c, either schedule: GemmSchedule's kClusterM): the blocks of a cluster
+// (neighbouring SMs) own M tiles 2i and 2i + 1 of one N tile, so both read the same B tile: each
+// copies its own A box and half of B's (96 or 128 rows) with .multicast::cluster, which lands in
+// both blocks' stage. Along M because B is the larger box (192 or 256 rows against A's 128) and the
+// grouped order (M fastest) already runs M neighbours side by side. Napkin, a block's K block from
+// L2: pingpong 16 + 12 = 28 KB instead of 40 (110 FLOP/B: 6.1 TB/s at 674 TFLOP/s instead of 8.8),
+// cooperative 16 + 16 = 32 KB instead of 48 (128 FLOP/B: 5.3 instead of 7.9 TB/s). Shared memory,
+// stages and registers as alone; the cost is coupling: a block waits for its peer's copies and
+// readers. fast.cu found clusters over 2 slower: 2 only.
+// - Lock-step: GemmTiles counts the cluster's tiles (2 M tiles x 1 N tile; ceil(M tiles / 2) rows
+//   of them, grouped as above); cluster c = blockIdx.x / 2 walks tiles c, c + clusters, ..., both
+//   blocks the same list, the block of rank r = blockIdx.x % 2 owning M tile 2m + r. So both count
+//   the same steps and fill and free the same stages in the same order (pingpong: the same consumer
+//   owns the pair in both). The grid is whole clusters (the launcher rounds max_blocks down, to 2 at
+//   least). Which block owns a tile changes no bit: clusters or not, the same sums.
+// - Ragged: with an odd number of M tiles the last row's rank-1 tile lies wholly past M (a ghost):
+//   its block copies no A but multicasts its half of B, and its consumer waits for and frees every
+//   stage with no wgmma and no epilogue. A half of B wholly past N (the last N tile) is copied by
+//   neither block and expected by neither (both decide from n alike): its rows feed only masked
+//   columns, and no copy relies on how the copy engine fills a box wholly out of bounds.
+//
 // Barriers (mbarriers, parity waits; a fresh barrier counts the phase before its first as done):
 // - step: the block's K blocks counted across its tiles in order, both consumers' tiles: its
 //   j-th tile's k-th block is step j x k_blocks + k; stage = step % stages, parity (step / stages) & 1.
 // - full[stage]: 1 arrival (the producer's expect_tx) + the stage's bytes; a consumer waits parity
-//   (step / stages) & 1.
+//   (step / stages) & 1. In a cluster the bytes are those landing in this block: its A box (none
+//   for a ghost) + each half of B within N, its own and the peer's multicast. The peer's may land
+//   before this block's expect_tx: the phase cannot complete without that arrival, and cannot be
+//   the previous round's (the peer copies round n + 1 only after this block's readers freed round n,
+//   each after its wait on full's round n).
 // - empty[stage]: one arrival from each warp that read the stage (cooperative 8, pingpong 4); the
-//   producer waits parity ((step / stages) & 1) ^ 1, so the first round passes at once.
+//   producer waits parity ((step / stages) & 1) ^ 1, so the first round passes at once. In a
+//   cluster both producers write both blocks' copy of a stage, so each reading warp of either block
+//   arrives on both blocks' empty (lane r on block r's, through mapa): 16 or 8 arrivals, and a
+//   producer refills a stage only when both blocks' readers are done with its last round. When
+//   this block's half of B was not copied the peer can run a round ahead and its round n + 1
+//   arrivals reach this block's empty while one of round n is still in flight: the count still
+//   holds, since the peer passed round n only after every warp here had arrived in the peer's
+//   barrier, which each does after its reads and in the same instruction as here. No phase gets
+//   two ahead of its waiter: phase n + 1 needs this block's own round n + 1 arrivals, which follow
+//   this producer's round n + 1 copy (and the peer's round n + 2 needs them too).
 // - turn[c] (pingpong): 4 arrivals, one from each warp of consumer 1 - c when it has issued the
 //   last wgmma of a tile. Consumer c's i-th tile (the block's tile 2i + c) waits parity
 //   (i & 1) ^ (c == 0): consumer 0 for consumer 1's first i arrivals (none before its first tile:
@@ -52,6 +87,9 @@
 //   turns also keep full's parities sound when k_blocks < stages: all waits on full run in step
 //   order, so step - stages's wait has passed when step's begins.
 // - The epilogues need no order between consumers: each warp stages in its own buffer.
+// - Clusters: turn[c] stays each block's own. A cluster barrier (every thread of both blocks) after
+//   the barriers' init (the peer copies into and arrives on them) and before exit (the peer's last
+//   arrivals on this block's empty barriers land first). Every new wait is gemm_mbarrier_wait.
 //
 // Build: wgmma and setmaxnreg exist only for sm_90a (-gencode arch=compute_90a,code=sm_90a;
 // loader arch "9.0a"). Everywhere else (sm_80, plain sm_90, CUDA 11.8) the kernel body is a
@@ -99,17 +137,20 @@ constexpr int kGemmConsumerWarps = 4 * kGemmConsumers;
 constexpr int kGemmSmemAlign = 1024;
 
 // The two schedules (the file's header): cooperative (a 128 x 256 tile, 64 rows a consumer) and
-// pingpong (a 128 x 192 tile a consumer, consumers alternating). Everything here follows from the flag.
-template <bool kPingpongSchedule>
+// pingpong (a 128 x 192 tile a consumer, consumers alternating), each alone or in clusters of
+// kClusterBlocks blocks along M that share B's tile (multicast). Everything here follows from the flags.
+template <bool kPingpongSchedule, int kClusterBlocks = 1>
 struct GemmSchedule {
   static constexpr bool kPingpong = kPingpongSchedule;
+  static constexpr int kClusterM = kClusterBlocks;  // blocks of a cluster: M tiles 2i and 2i + 1 (the header)
   static constexpr int kTileN = kPingpong ? 192 : 256;  // rows of B (columns of C) a tile
   static constexpr int kStages = kPingpong ? 5 : 4;     // 5 x 40 KB or 4 x 48 KB in flight
   static constexpr int kConsumerRows = kPingpong ? kGemmTileM : kGemmTileM / kGemmConsumers;  // of a tile
   static constexpr int kRowBlocks = kConsumerRows / 64;  // m64 wgmmas a k16 step
   static constexpr int kSums = kTileN / 2;               // float32 sums a thread, per 64-row block
-  // Warps that read a stage, each of which frees it once: both consumers' or the owner's.
-  static constexpr int kReleaseArrivals = kPingpong ? 4 : kGemmConsumerWarps;
+  // Warps that read a stage, each of which frees it once in every block of the cluster (the peer's
+  // producer writes this block's stage too): both consumers' or the owner's, times the cluster's blocks.
+  static constexpr int kReleaseArrivals = (kPingpong ? 4 : kGemmConsumerWarps) * kClusterM;
   // The epilogue stages a warp's 16 rows x kStagingColumns at a time: apart from the pipeline's
   // stages, which the producer is already filling with the next tiles' K blocks.
   static constexpr int kStagingColumns = kPingpong ? 64 : 128;
@@ -117,6 +158,9 @@ struct GemmSchedule {
   static constexpr int kStageBytesA = kGemmTileM * kGemmTileK * 2;  // 16 KB
   static constexpr int kStageBytesB = kTileN * kGemmTileK * 2;      // 24 or 32 KB
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+  // B's rows one block copies a stage (its part, multicast to the cluster), 96 or 128 in clusters of 2.
+  static constexpr int kBoxRowsB = kTileN / kClusterM;
+  static constexpr int kBoxBytesB = kBoxRowsB * kGemmTileK * 2;
   static constexpr int kOffsetB = kStages * kStageBytesA;
   static constexpr int kOffsetStaging = kOffsetB + kStages * kStageBytesB;
   static constexpr int kOffsetBarriers = kOffsetStaging + kGemmConsumerWarps * kStagingWarpBytes;
@@ -124,14 +168,20 @@ struct GemmSchedule {
   static constexpr int kSmemBytes = kGemmSmemAlign + kOffsetBarriers + kBarriers * 8;  // 230464, 222304 B
   static_assert(kSmemBytes <= 232448, "more than an H100 block's 227 KB of shared memory");
   static_assert(kStageBytesA % kGemmSmemAlign == 0 && kStageBytesB % kGemmSmemAlign == 0, "stage alignment");
+  // Each block's part starts on a swizzle atom, so the parts' swizzle is the whole box's.
+  static_assert(kBoxBytesB % kGemmSmemAlign == 0 && (kClusterM == 1 || kClusterM == 2), "clusters of 1 or 2");
   static_assert(kTileN % kStagingColumns == 0, "whole staging pieces");
 };
 using GemmCooperative = GemmSchedule<false>;
 using GemmPingpong = GemmSchedule<true>;
+using GemmCooperativeCluster = GemmSchedule<false, 2>;
+using GemmPingpongCluster = GemmSchedule<true, 2>;
 
 // The persistent schedule: tile t (0 <= t < count) in groups of `group` M tiles, M fastest
 // inside a group, so the blocks running at once (t, t + 1, ... t + grid - 1) share each B tile
-// among `group` of them and each A tile among grid / group: both stay in L2.
+// among `group` of them and each A tile among grid / group: both stay in L2. In clusters of
+// kClusterM blocks a "tile" here is a cluster's: kClusterM M tiles by one N tile, its block of
+// rank r owning M tile kClusterM m + r (tiles_m, group and count count cluster tiles).
 struct GemmTiles {
   int tiles_m, tiles_n, group, k_blocks;
   int64_t count;  // tiles_m * tiles_n
@@ -202,6 +252,38 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int inne
           shared_address(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(shared_address(barrier))
       : "memory");
+}
+
+// Why: one read of B's part from L2 feeds every block of cta_mask: the box lands at dst's offset in
+// each block's shared memory and completes the transaction of the barrier at `barrier`'s offset in
+// each (both addresses this block's own; the same layout in every block of the cluster).
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const void* map, int inner, int outer,
+                                                      uint64_t* barrier, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(shared_address(barrier)), "h"(cta_mask)
+      : "memory");
+}
+
+// Why: in a cluster a stage is written by both blocks' producers (each multicasts its part of B), so a
+// consumer warp frees it in the barrier at the same offset in the cluster's block `rank` (its own or
+// the peer's). The default semantics (release, CTA scope), as CUTLASS's pipelines and fast.cu arrive:
+// the stage's reads were the wgmmas', finished at wgmma_wait; ".release.cluster" would add a GPU-wide
+// MEMBAR (ptxas, CUDA 13) that waits for the epilogue's stores, in the main loop.
+__device__ __forceinline__ void gemm_mbarrier_arrive_cluster(uint64_t* barrier, uint32_t rank) {
+  asm volatile(
+      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+      " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(shared_address(barrier)),
+      "r"(rank)
+      : "memory");
+}
+
+// Why: every thread of both blocks: at the start the peer's barriers are initialized before this block
+// copies into or arrives on them; at the end the peer's last arrivals on this block's barriers are done
+// before it exits. Not .aligned: the producer warp's lanes reach it from a divergent branch.
+__device__ __forceinline__ void gemm_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Why: the producer needs few registers and the consumers many (128 or 192 sums + addresses): moving
@@ -347,23 +429,57 @@ __device__ __forceinline__ uint32_t parity_of(uint32_t step) {
   return (step / Schedule::kStages) & 1;
 }
 
+// A consumer warp frees a stage it has read: lane 0 in its block (alone), or lane r in the cluster's
+// block r (the header's empty[stage]: every warp that reads the stage, in every block).
+template <typename Schedule>
+__device__ __forceinline__ void gemm_release_stage(uint64_t* empty, int lane) {
+  if constexpr (Schedule::kClusterM == 1) {
+    if (lane == 0) gemm_mbarrier_arrive(empty);
+  } else {
+    if (lane < Schedule::kClusterM) gemm_mbarrier_arrive_cluster(empty, lane);
+  }
+}
+
 // One thread: for every K block of every tile, wait until the stage is free, then copy A's 128 x 64
 // and B's tile N x 64 box into it. A fresh barrier counts as having completed the phase before its
-// first, so the first round's waits (parity 1) pass at once.
+// first, so the first round's waits (parity 1) pass at once. In a cluster, B's box is the blocks'
+// parts, each block's multicast into both (the header); a box wholly past the operand's rows (the
+// cluster's ragged last M tile, the last N tile's part past N) is neither copied nor expected: only
+// outputs the epilogue masks would read its rows.
 template <typename Schedule>
 __device__ __forceinline__ void gemm_produce(const void* a_map, const void* b_map, const GemmTiles& tiles,
                                              const GemmShared& shared) {
+  constexpr int kCluster = Schedule::kClusterM;
+  const int rank = blockIdx.x % kCluster;  // the cluster's blocks are consecutive (clusters of kCluster x 1 x 1)
   uint32_t step = 0;
-  for (int64_t t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+  for (int64_t t = blockIdx.x / kCluster; t < tiles.count; t += gridDim.x / kCluster) {
     const TileCoord tile = gemm_tile_coord(tiles, t);
+    const int tile_m = tile.m * kCluster + rank;
+    // Row starts in 64 bits: a ghost's may pass 2^31 where M nearly reaches it.
+    const bool copy_a = kCluster == 1 || int64_t(tile_m) * kGemmTileM < tiles.m;
+    const int b_row = tile.n * Schedule::kTileN + rank * Schedule::kBoxRowsB;
+    const bool copy_b = kCluster == 1 || int64_t(tile.n) * Schedule::kTileN + rank * Schedule::kBoxRowsB < tiles.n;
+    uint32_t bytes = copy_a ? Schedule::kStageBytesA : 0;  // what lands here: A's box, every block's part of B
+#pragma unroll
+    for (int part = 0; part < kCluster; ++part) {
+      if (kCluster == 1 || int64_t(tile.n) * Schedule::kTileN + part * Schedule::kBoxRowsB < tiles.n) {
+        bytes += Schedule::kBoxBytesB;
+      }
+    }
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
       const uint32_t stage = stage_of<Schedule>(step);
       gemm_mbarrier_wait(&shared.empty[stage], parity_of<Schedule>(step) ^ 1);
-      mbarrier_arrive_expect_tx(&shared.full[stage], Schedule::kStageBytes);
-      tma_load_2d(shared.a + stage * Schedule::kStageBytesA, a_map, k_block * kGemmTileK, tile.m * kGemmTileM,
-                  &shared.full[stage]);
-      tma_load_2d(shared.b + stage * Schedule::kStageBytesB, b_map, k_block * kGemmTileK, tile.n * Schedule::kTileN,
-                  &shared.full[stage]);
+      mbarrier_arrive_expect_tx(&shared.full[stage], bytes);
+      if (copy_a) {
+        tma_load_2d(shared.a + stage * Schedule::kStageBytesA, a_map, k_block * kGemmTileK, tile_m * kGemmTileM,
+                    &shared.full[stage]);
+      }
+      unsigned char* b_part = shared.b + stage * Schedule::kStageBytesB + rank * Schedule::kBoxBytesB;
+      if constexpr (kCluster == 1) {
+        tma_load_2d(b_part, b_map, k_block * kGemmTileK, b_row, &shared.full[stage]);
+      } else if (copy_b) {
+        tma_load_2d_multicast(b_part, b_map, k_block * kGemmTileK, b_row, &shared.full[stage], (1u << kCluster) - 1);
+      }
     }
   }
 }
@@ -561,22 +677,28 @@ struct GemmRowStatsTile {
 // its epilogue runs under the other's main loop. Each K block: wait for its stage, issue the
 // wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the 128 B swizzle span; each
 // row block), commit, and wait until only this group runs; the previous block's stage is then
-// read no more and each warp frees it.
+// read no more and each warp frees it (in every block of a cluster). A cluster's block whose M tile
+// lies wholly past M (the header's "ghost") computes nothing but waits and frees its stages as the
+// peer's producer expects.
 template <typename T, typename Schedule, typename Epilogue>
 __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared,
                                              const Epilogue& epilogue) {
   constexpr bool kPingpong = Schedule::kPingpong;
+  constexpr int kCluster = Schedule::kClusterM;
   const int warp = (threadIdx.x % 128) / 32;
-  const bool signals = threadIdx.x % 32 == 0;  // lane 0 arrives for its warp
+  const int lane = threadIdx.x % 32;
+  const bool signals = lane == 0;  // lane 0 arrives for its warp (in its own block)
   unsigned char* staging = shared.staging + (4 * consumer + warp) * Schedule::kStagingWarpBytes;
   const int first_row = kPingpong ? 0 : Schedule::kConsumerRows * consumer;  // of the tile
-  const int64_t tile_step = kPingpong ? 2 * int64_t(gridDim.x) : int64_t(gridDim.x);
+  const int64_t clusters = gridDim.x / kCluster;
+  const int64_t tile_step = kPingpong ? 2 * clusters : clusters;
   float d[Schedule::kRowBlocks][Schedule::kSums];
   // Pingpong: the block's tile 2i + consumer starts at step (2i + consumer) k_blocks.
   uint32_t step = kPingpong ? consumer * tiles.k_blocks : 0;
   uint32_t turn_parity = consumer == 0 ? 1 : 0;  // (i & 1) ^ (consumer == 0) for its i-th tile
-  for (int64_t t = blockIdx.x + (kPingpong ? consumer * int64_t(gridDim.x) : 0); t < tiles.count; t += tile_step) {
+  for (int64_t t = blockIdx.x / kCluster + (kPingpong ? consumer * clusters : 0); t < tiles.count; t += tile_step) {
     const TileCoord tile = gemm_tile_coord(tiles, t);
+    const int tile_m = tile.m * kCluster + blockIdx.x % kCluster;
 #pragma unroll
     for (int block = 0; block < Schedule::kRowBlocks; ++block) {
 #pragma unroll
@@ -585,6 +707,15 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
     if constexpr (kPingpong) {
       gemm_mbarrier_wait(&shared.turn[consumer], turn_parity);
       turn_parity ^= 1;
+    }
+    if (kCluster > 1 && int64_t(tile_m) * kGemmTileM >= tiles.m) {  // a ghost: the same waits and arrivals, no wgmma
+      for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
+        gemm_mbarrier_wait(&shared.full[stage_of<Schedule>(step)], parity_of<Schedule>(step));
+        if (kPingpong && k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
+        gemm_release_stage<Schedule>(&shared.empty[stage_of<Schedule>(step)], lane);
+      }
+      if constexpr (kPingpong) step += tiles.k_blocks;
+      continue;
     }
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
       const uint32_t stage = stage_of<Schedule>(step);
@@ -604,16 +735,16 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
       // Every wgmma of the tile is issued: the other consumer's main loop may queue behind them.
       if (kPingpong && k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
       wgmma_wait<1>();
-      if (k_block > 0 && signals) gemm_mbarrier_arrive(&shared.empty[stage_of<Schedule>(step - 1)]);
+      if (k_block > 0) gemm_release_stage<Schedule>(&shared.empty[stage_of<Schedule>(step - 1)], lane);
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int block = 0; block < Schedule::kRowBlocks; ++block) accumulators_ready(d[block]);
-    if (signals) gemm_mbarrier_arrive(&shared.empty[stage_of<Schedule>(step - 1)]);
+    gemm_release_stage<Schedule>(&shared.empty[stage_of<Schedule>(step - 1)], lane);
     if constexpr (kPingpong) step += tiles.k_blocks;  // past the other consumer's next tile
 #pragma unroll
     for (int block = 0; block < Schedule::kRowBlocks; ++block) {
-      epilogue(Schedule{}, d[block], staging, tiles, tile.m * kGemmTileM + first_row + 64 * block + 16 * warp,
+      epilogue(Schedule{}, d[block], staging, tiles, tile_m * kGemmTileM + first_row + 64 * block + 16 * warp,
                tile.n * Schedule::kTileN, tile.n);
     }
   }
@@ -656,7 +787,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int c = 0; c < kGemmConsumers; ++c) mbarrier_init(&shared.turn[c], kGemmConsumerWarps / kGemmConsumers);
     }
   }
-  __syncthreads();  // the barriers are initialized before any thread uses them
+  // The barriers are initialized before any thread uses them (in a cluster, the peer's too: its
+  // producer copies into this block's stages and its consumers arrive on this block's empty barriers).
+  if constexpr (Schedule::kClusterM > 1) {
+    gemm_cluster_sync();
+  } else {
+    __syncthreads();
+  }
   wait_for_previous_kernel();
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
@@ -666,6 +803,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     registers_increase<kGemmConsumerRegisters>();
     gemm_consume<T, Schedule>(warpgroup - 1, tiles, shared, epilogue);
   }
+  // The peer's consumers may still be freeing stages in this block's empty barriers: stay until they
+  // are done (every copy into this block has landed: its consumers waited for each one).
+  if constexpr (Schedule::kClusterM > 1) gemm_cluster_sync();
 #else
   __trap();
 #endif

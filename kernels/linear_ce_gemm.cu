@@ -31,24 +31,31 @@ __device__ int gemm_built_for_sm90a = FUSED_LOSSES_GEMM_SM90A;
 // ---------------------------------------------------------------------------------
 // Host: the schedules' choice, preconditions, tensor maps, launch.
 
-// Which schedule each product runs when the call leaves it to the launcher (schedule 0). The
-// statistics epilogue is hidden only by pingpong (under the other consumer's main loop); the
-// plain store costs the cooperative tile nothing, and its 128 x 256 tile reads 11% fewer bytes
-// a FLOP from L2: it stays until pingpong's store is measured no slower (scripts/gemm_bench.py
-// times both). The tests run both schedules with both epilogues.
+// Which schedule each product runs when the call leaves it to the launcher (schedule 0): the one
+// named decision, clusters included. The statistics epilogue is hidden only by pingpong (under the
+// other consumer's main loop); the plain store costs the cooperative tile nothing, and its 128 x 256
+// tile reads 11% fewer bytes a FLOP from L2: it stays until pingpong's store is measured no slower.
+// Clusters of 2 (codes 3, 4: B multicast, 28 KB instead of 40 of L2 reads a pingpong block's K
+// block, 32 instead of 48 cooperative) wait for their H200 numbers (scripts/gemm_bench.py times all
+// four schedules). The tests run every schedule with both epilogues.
 constexpr GemmScheduleCode kStoreProductSchedule = kGemmScheduleCooperative;
 constexpr GemmScheduleCode kStatsProductSchedule = kGemmSchedulePingpong;
 
-static bool runs_pingpong(int64_t schedule, GemmScheduleCode products_choice) {
-  return (schedule == kGemmScheduleDefault ? products_choice : schedule) == kGemmSchedulePingpong;
+static GemmScheduleCode schedule_to_run(int64_t schedule, GemmScheduleCode products_choice) {
+  if (schedule < kGemmScheduleDefault || schedule > kGemmSchedulePingpongCluster) {
+    throw std::invalid_argument("fused_losses: linear_ce_gemm's schedule must be 0 (the launcher's choice), 1 "
+                                "(cooperative), 2 (pingpong), 3 or 4 (the same in clusters of 2)");
+  }
+  return schedule == kGemmScheduleDefault ? products_choice : static_cast<GemmScheduleCode>(schedule);
+}
+
+static bool is_pingpong(GemmScheduleCode schedule) {
+  return schedule == kGemmSchedulePingpong || schedule == kGemmSchedulePingpongCluster;
 }
 
 int64_t gemm_row_stats_tile_columns(int64_t schedule) {
-  if (schedule != kGemmScheduleDefault && schedule != kGemmScheduleCooperative && schedule != kGemmSchedulePingpong) {
-    throw std::invalid_argument("fused_losses: linear_ce_gemm's schedule must be 0 (the launcher's choice), 1 "
-                                "(cooperative) or 2 (pingpong)");
-  }
-  return runs_pingpong(schedule, kStatsProductSchedule) ? GemmPingpong::kTileN : GemmCooperative::kTileN;
+  return is_pingpong(schedule_to_run(schedule, kStatsProductSchedule)) ? GemmPingpong::kTileN
+                                                                        : GemmCooperative::kTileN;
 }
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
@@ -116,7 +123,7 @@ CUtensorMap k_major_tensor_map(const void* base, int64_t rows, int64_t k, int64_
 
 // Group size of the grouped raster: 8 or 16 M tiles, whichever keeps fewer rows of A and B
 // live across the tiles running at once (group x 128 rows of A, tiles / group x tile N of B;
-// pingpong runs two tiles a block).
+// pingpong runs two tiles a block). In M tiles; a cluster's tiles_m and group count its tiles.
 template <typename Schedule>
 int group_for(int64_t grid, int tiles_m) {
   const int64_t at_once = Schedule::kPingpong ? 2 * grid : grid;
@@ -148,25 +155,36 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
   dispatch_dtype(call.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      GemmTiles tiles;
-      tiles.tiles_m = static_cast<int>((call.m + kGemmTileM - 1) / kGemmTileM);
+      constexpr int kCluster = Schedule::kClusterM;
+      const auto epilogue = make_epilogue(tag);
+      auto kernel = &gemm_nt_kernel<T, Schedule, std::decay_t<decltype(epilogue)>>;
+      check(max_dynamic_smem(kernel, context.device) >= size_t(Schedule::kSmemBytes),
+            "linear_ce_gemm's products need up to 225 KB of shared memory a block, more than this GPU gives");
+      const int m_tiles = static_cast<int>((call.m + kGemmTileM - 1) / kGemmTileM);
+      GemmTiles tiles;  // in a cluster's tiles: kCluster M tiles (the last may lie partly or wholly past M)
+      tiles.tiles_m = (m_tiles + kCluster - 1) / kCluster;
       tiles.tiles_n = static_cast<int>((call.n + Schedule::kTileN - 1) / Schedule::kTileN);
       tiles.k_blocks = static_cast<int>((call.k + kGemmTileK - 1) / kGemmTileK);
       tiles.count = int64_t(tiles.tiles_m) * tiles.tiles_n;
       tiles.m = static_cast<int>(call.m);
       tiles.n = static_cast<int>(call.n);
       tiles.ldc = call.ldc;
-      int64_t grid = std::min<int64_t>(multiprocessor_count(context.device), tiles.count);
-      if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
-      tiles.group = group_for<Schedule>(grid, tiles.tiles_m);
-      const auto epilogue = make_epilogue(tag);
-      auto kernel = &gemm_nt_kernel<T, Schedule, std::decay_t<decltype(epilogue)>>;
-      check(max_dynamic_smem(kernel, context.device) >= size_t(Schedule::kSmemBytes),
-            "linear_ce_gemm's products need up to 225 KB of shared memory a block, more than this GPU gives");
+      // Persistent: a block a multiprocessor, or as many clusters as the GPU holds at once (its GPCs
+      // decide: perhaps fewer than SMs / 2); no more than there are tiles; max_blocks rounds down to
+      // whole clusters, one at least.
+      int64_t clusters = kCluster == 1 ? int64_t(multiprocessor_count(context.device))
+                                       : resident_clusters_of(kernel, kCluster, kGemmThreads, context.device,
+                                                              Schedule::kSmemBytes);
+      check(clusters > 0, "linear_ce_gemm: this GPU holds no cluster of 2 of its product's blocks");
+      clusters = std::min(clusters, tiles.count);
+      if (call.max_blocks > 0) clusters = std::min(clusters, std::max<int64_t>(1, call.max_blocks / kCluster));
+      const int64_t grid = clusters * kCluster;
+      tiles.group = (group_for<Schedule>(grid, m_tiles) + kCluster - 1) / kCluster;
       const CUtensorMap a_map = k_major_tensor_map(call.a, call.m, call.k, call.lda, kGemmTileM, call.dtype);
-      const CUtensorMap b_map = k_major_tensor_map(call.b, call.n, call.k, call.ldb, Schedule::kTileN, call.dtype);
-      launch_kernel(kernel, grid, kGemmThreads, Schedule::kSmemBytes, 1, context.device, context.stream, a_map, b_map,
-                    tiles, epilogue);
+      const CUtensorMap b_map =
+          k_major_tensor_map(call.b, call.n, call.k, call.ldb, Schedule::kBoxRowsB, call.dtype);
+      launch_kernel(kernel, grid, kGemmThreads, Schedule::kSmemBytes, kCluster, context.device, context.stream, a_map,
+                    b_map, tiles, epilogue);
     } else {
       throw std::invalid_argument("fused_losses: linear_ce_gemm's products take bfloat16 or float16 operands");
     }
@@ -177,10 +195,15 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
 template <typename MakeEpilogue>
 void launch_scheduled(const GemmCall& call, GemmScheduleCode products_choice, const LaunchContext& context,
                       MakeEpilogue make_epilogue) {
-  if (runs_pingpong(call.schedule, products_choice)) {
-    launch_gemm<GemmPingpong>(call, context, make_epilogue);
-  } else {
-    launch_gemm<GemmCooperative>(call, context, make_epilogue);
+  switch (schedule_to_run(call.schedule, products_choice)) {
+    case kGemmSchedulePingpong:
+      return launch_gemm<GemmPingpong>(call, context, make_epilogue);
+    case kGemmScheduleCooperativeCluster:
+      return launch_gemm<GemmCooperativeCluster>(call, context, make_epilogue);
+    case kGemmSchedulePingpongCluster:
+      return launch_gemm<GemmPingpongCluster>(call, context, make_epilogue);
+    default:
+      return launch_gemm<GemmCooperative>(call, context, make_epilogue);
   }
 }
 

@@ -133,12 +133,15 @@ void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext
 
 // C = A B^T on sm_90a (linear_ce_gemm.cu): A (m, k) and B (n, k) with row strides lda, ldb
 // (elements, K contiguous), C (m, n) with row stride ldc, all of `dtype` (float16 or bfloat16).
-// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it). schedule: one
-// of GemmScheduleCode, the kernel's schedule (gemm_sm90.cuh); tests and benchmarks name one.
+// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it; in clusters of 2,
+// rounded down to an even count, 2 at least). schedule: one of GemmScheduleCode, the kernel's
+// schedule (gemm_sm90.cuh); tests and benchmarks name one.
 enum GemmScheduleCode : int64_t {
   kGemmScheduleDefault = 0,      // the launcher's choice for the product (linear_ce_gemm.cu)
   kGemmScheduleCooperative = 1,  // 128 x 256 tiles, both consumer warpgroups on each
   kGemmSchedulePingpong = 2,     // 128 x 192 tiles, one consumer each, epilogue under the other's main loop
+  kGemmScheduleCooperativeCluster = 3,  // cooperative, in clusters of 2 blocks along M sharing B (multicast)
+  kGemmSchedulePingpongCluster = 4,     // pingpong, in clusters of 2 blocks along M sharing B (multicast)
 };
 struct GemmCall {
   DType dtype;

@@ -1,6 +1,7 @@
 """linear_ce_gemm's gemm_nt and row_stats (kernels/gemm_sm90.cuh, scratch/gemm_plan.md): a @ b.T on
 sm_90a, against float64 of the same 2-byte inputs, and the same bits on every run and grid; each
-under both schedules (cooperative 128 x 256 tiles, pingpong 128 x 192), named by the tests.
+under every schedule (cooperative 128 x 256 tiles, pingpong 128 x 192, each alone or in clusters of 2
+blocks sharing B by multicast), named by the tests.
 
 Needs a compute capability 9.0 GPU (H100, H200): the kernel is sm_90a code, built with
 loader.load("linear_ce_gemm", dtype, arch="9.0a"). Elsewhere every test skips.
@@ -19,21 +20,28 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs 
 
 DTYPES = [torch.bfloat16, torch.float16]
 # The ops' schedule argument (kernels/ops.h, GemmScheduleCode): 0 is the launcher's choice.
-SCHEDULES = {"cooperative": 1, "pingpong": 2}
-TILE_COLUMNS = {1: 256, 2: 192}  # classes a tile of row_stats' partials covers
+SCHEDULES = {"cooperative": 1, "pingpong": 2, "cooperative_cluster": 3, "pingpong_cluster": 4}
+ALONE = {3: 1, 4: 2}  # each cluster schedule's schedule alone: the same tiles, so the same bits
+TILE_COLUMNS = {1: 256, 2: 192, 3: 256, 4: 192}  # classes a tile of row_stats' partials covers
 schedules = pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
+cluster_schedules = pytest.mark.parametrize("schedule", list(ALONE), ids=[name for name, code in SCHEDULES.items()
+                                                                          if code in ALONE])
 
 # (m, n, k), each hitting a regime of the tiles (128 x 256 cooperative, 128 x 192 pingpong; K
-# blocks of 64, 4 or 5 stages) and the persistent grid.
+# blocks of 64, 4 or 5 stages), the persistent grid and the clusters' pairs of M tiles (an odd
+# count: the last pair's second tile lies past M; N's last tile: its second half past N).
 SHAPES = [
     (4096, 4096, 4096),      # square, 512 (704) tiles: ~4 (~5) waves of 132 blocks
     (1024, 128256, 4096),    # Llama 3's head over 1024 rows: 8 x 501 (668) tiles, group of 8 M tiles
-    (1, 1000, 512),          # one row: A's 128-row box all but one row out of bounds (zeros)
+    (1, 1000, 512),          # one row: A's 128-row box all but one row out of bounds (zeros); clusters:
+                             # every pair's second M tile past M
     (127, 256, 64),          # one partial M tile, one (two) N tiles and one K block
-    (129, 257, 72),          # one row and one column past a tile, a partial K block
+    (129, 257, 72),          # one row and one column past a tile, a partial K block; clusters: a pair whose
+                             # second M tile has one row, a last N tile whose second half of B lies past N
     (128, 256, 64),          # exactly one cooperative tile; pingpong: one full and one partial
     (128, 192, 64),          # exactly one pingpong tile; cooperative: a partial one
-    (300, 2000, 256),        # 3 x 8 (11) tiles: fewer than the multiprocessors; 4 K blocks < 5 stages
+    (300, 2000, 256),        # 3 x 8 (11) tiles: fewer than the multiprocessors; 4 K blocks < 5 stages;
+                             # clusters: 2 x 8 (11) pairs, the second row's second tile past M
     (256, 255, 4104),        # N one short of a tile; K one 8-element step past 64 blocks
     (200, 50257, 8),         # GPT-2's vocabulary (ragged, rows not 16 B-aligned: 2 B stores); K = 8, one K
                              # block a tile: pingpong's turns come faster than its stages
@@ -41,9 +49,18 @@ SHAPES = [
 ]
 
 
+class _Builds(dict):
+    """linear_ce_gemm's build per dtype, loaded at its first test: a run of one dtype's tests (-k)
+    builds only that one."""
+
+    def __missing__(self, dtype):
+        self[dtype] = loader.load("linear_ce_gemm", dtype, arch="9.0a")
+        return self[dtype]
+
+
 @pytest.fixture(scope="module")
 def builds():
-    return {dtype: loader.load("linear_ce_gemm", dtype, arch="9.0a") for dtype in DTYPES}
+    return _Builds()
 
 
 def random_operands(m, n, k, dtype, a_stride=None, b_stride=None):
@@ -111,7 +128,9 @@ def test_new_output_when_none_given(builds, dtype):
 def test_same_bits_every_run_and_grid(builds, m, n, k, dtype, schedule):
     """Three runs, then grids of 66, 7 and 1 blocks: each tile's K order is fixed and one block (one
     consumer, pingpong) owns it, so which block runs it, or when, changes no bit. Pingpong at 7 and 1
-    blocks: a long alternation of turns, odd and even tile counts; K = 72: 2 K blocks < 5 stages."""
+    blocks: a long alternation of turns, odd and even tile counts; K = 72: 2 K blocks < 5 stages.
+    Clusters of 2: the launcher rounds 7 and 1 down to whole clusters, 6 and 2 blocks (3 and 1
+    clusters); 513 rows: 5 M tiles, the last pair's second past M."""
     a, b = random_operands(m, n, k, dtype)
     first = gemm(builds, a, b, schedule=schedule)
     for max_blocks in (0, 0, 66, 7, 1):
@@ -140,9 +159,30 @@ def test_refuses_what_the_copy_engine_cannot_read(builds):
     with pytest.raises(ValueError, match="both bfloat16 or both float16"):
         ops.gemm_nt(a, b.half(), None, 0, 0)
     a, b = random_operands(64, 64, 64, torch.bfloat16)
-    for schedule in (-1, 3):
+    for schedule in (-1, 5):
         with pytest.raises(ValueError, match="schedule must be 0"):
             ops.gemm_nt(a, b, None, 0, schedule)
+
+
+@cluster_schedules
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,max_blocks", [
+    (513, 50257, 264, 0),    # 5 M tiles (the last pair's second past M), N's last tile ragged
+    (1, 1000, 512, 0),       # every pair's second M tile past M
+    (129, 257, 72, 0),       # a one-row second M tile; the last N tile's second half of B past N
+    (1024, 128256, 1024, 7), # Llama 3's head over 1024 rows on 3 clusters: long lock-step runs
+    (4096, 4096, 4096, 0),   # square, every pair whole
+])
+def test_clusters_change_no_bit(builds, m, n, k, max_blocks, dtype, schedule):
+    """A cluster schedule computes each tile as its schedule alone does (the same tiles, wgmmas and K
+    order; only who copies B differs): the same bits, gemm_nt's and row_stats'. A half of B landing in
+    the wrong block or place, or a stage refilled before both blocks read it, changes them."""
+    a, b = random_operands(m, n, k, dtype)
+    assert torch.equal(gemm(builds, a, b, max_blocks, schedule), gemm(builds, a, b, max_blocks, ALONE[schedule]))
+    target = targets(m, n)
+    ours, alone = (builds[dtype].row_stats(a, b, None, target, 30.0, 0.7, 6, max_blocks, code)
+                   for code in (schedule, ALONE[schedule]))
+    assert torch.equal(ours, alone)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -226,8 +266,8 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias, schedul
 @schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_stats_same_bits_every_run_and_grid(builds, dtype, schedule):
-    """As gemm_nt's: grids of 66, 7 and 1 blocks; 5 tiles of M, so a pingpong block's consumers own
-    tiles of both epilogue halves' rows masked and not."""
+    """As gemm_nt's: grids of 66, 7 and 1 blocks (clusters: 66, 6 and 2); 5 tiles of M, so a pingpong
+    block's consumers own tiles of both epilogue halves' rows masked and not (clusters: a ghost too)."""
     import row_passes
     a, b = random_operands(513, 50257, 264, dtype)
     target = targets(513, 50257)
@@ -262,6 +302,8 @@ def test_row_stats_refuses_bad_arguments(builds):
         ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0, 0)
     with pytest.raises(ValueError, match="schedule must be 0"):
         ops.row_stats(a, b, None, target, 0.0, 1.0, 5, 0, 7)
+    with pytest.raises(ValueError, match="schedule must be 0"):
+        ops.row_stats(a, b, None, target, 0.0, 1.0, 5, 0, 5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
