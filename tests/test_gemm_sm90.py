@@ -352,3 +352,28 @@ def test_combine_row_stats_is_combine_tiles(builds, stat_rows):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, equal_nan=True)
     one = builds[torch.bfloat16].combine_row_stats(partials[:1].contiguous())
     torch.testing.assert_close(one, row_passes.combine_tiles(partials[:1]), rtol=0, atol=0, equal_nan=True)
+
+
+def test_fused_statistics_of_a_vocabulary_shard(builds, monkeypatch):
+    """fold_linear on a shard of the classes (start > 0: targets are global, those outside the shard match
+    none of its columns) gives the cuBLAS chunks' statistics; operands on a grid of 1/4 (exact logits)."""
+    import linear_cross_entropy
+    generator = torch.Generator().manual_seed(13)
+    x = (torch.randint(-3, 4, (300, 24), generator=generator) / 4).bfloat16().cuda()
+    w = (torch.randint(-3, 4, (5000, 24), generator=generator) / 4).bfloat16().cuda()
+    target = targets(300, 5000)
+    start = 1000
+    assert linear_cross_entropy.fused_product(x, w[start:], None)
+    fused = linear_cross_entropy.fold_linear(x, w[start:], None, target, start, 0.0, 0.7, 6)
+    monkeypatch.setattr(linear_cross_entropy, "fused_product", lambda *arguments: False)
+    chunks = linear_cross_entropy.fold_linear(x, w[start:], None, target, start, 0.0, 0.7, 6)
+    torch.testing.assert_close(fused, chunks, rtol=1e-5, atol=1e-5)
+    assert (fused[2][target < start] == 0).all()  # a target outside the shard: no u of it here
+
+
+def test_rows_that_overlap_take_the_cublas_chunks():
+    import linear_cross_entropy
+    h = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    assert not linear_cross_entropy.fused_product(h.expand(4, 64), w, None)
+    assert linear_cross_entropy.fused_product(h.expand(4, 64).contiguous(), w, None)
