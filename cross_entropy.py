@@ -386,6 +386,12 @@ def check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
 
 
+def check_class_indices(function: str, target) -> None:
+    """The log-probs' targets: class indices, int64 or int32."""
+    if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
+        raise helpers.ArgumentError(f"{function}: target must hold class indices, int64 or int32, got {target.dtype}")
+
+
 def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, softcap: float = 0.0,
               ignore_index: int = -100, return_entropy: bool = False, process_group=None,
               vocab_start: int | None = None):
@@ -413,8 +419,7 @@ def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float 
         if logits.dim() < 1 or not logits.is_floating_point():
             raise helpers.ArgumentError(f"log_probs: logits must be floating point with classes in the last dim, "
                                         f"got {logits.dtype} of shape {tuple(logits.shape)}")
-        if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
-            raise helpers.ArgumentError(f"log_probs: target must hold class indices, int64 or int32, got {target.dtype}")
+        check_class_indices("log_probs", target)
         if target.shape != logits.shape[:-1]:
             raise helpers.ArgumentError(f"log_probs: target's shape {tuple(target.shape)} must be logits' without "
                                         f"its last dim, {tuple(logits.shape[:-1])}")

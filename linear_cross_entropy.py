@@ -214,18 +214,15 @@ def loss_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothi
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, classes
 
 
-def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
-             softcap: float, temperature: float, reduction: str, wants):
-    """The "rows" forward, a chunk of rows at a time: their logits, statistics and loss, then their
-    gradient (in place) for a grad_output of 1, times weight into d input, and summed into d weight
-    and d bias (wants says which). Returns (loss reduced, softmax_stats, count, (d input, d weight,
-    d bias), None where not wanted; d weight and d bias in the accumulation type)."""
+def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, z_loss: float, softcap: float,
+                    temperature: float, wants, stat_rows: int = row_passes.STAT_ROWS):
+    """The "rows" schedule's pass, a chunk of rows with every class at a time: their logits and statistics, then
+    their gradient (in place, each row times row_scale's), times weight into d input, and summed into d weight and
+    d bias (wants says which). Returns (stats, (d input, d weight, d bias)), None where not wanted; d weight and d
+    bias in the accumulation type."""
     rows, vocab = x.shape[0], weight.shape[0]
     acc = helpers.accumulation_dtype(x.dtype)
-    count = _counts(target, ignore_index, divisor)
-    stats = row_passes.new_stats(rows, x.dtype, x.device)
-    row_scale = row_passes.row_scales(torch.ones((), dtype=acc, device=x.device), target, count, ignore_index,
-                                      vocab, reduction, acc)
+    stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
     grad_x = torch.empty_like(x) if wants[0] else None
     # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
@@ -234,7 +231,7 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     for first in range(0, rows, height):
         end = min(first + height, rows)
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
-        chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device)  # contiguous, for the kernels
+        chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device, stat_rows)  # contiguous, for the kernels
         row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap, temperature=temperature)
         stats[:, first:end] = chunk_stats
         if any(wants):
@@ -247,8 +244,21 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
         if wants[2]:
             grad_b += z.sum(0, dtype=acc)
         del z  # before the next chunk's logits: one chunk held at a time
+    return stats, (grad_x, grad_w, grad_b)
+
+
+def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
+             softcap: float, temperature: float, reduction: str, wants):
+    """The "rows" forward (rows_in_forward) for a grad_output of 1, and the loss. Returns (loss reduced,
+    softmax_stats, count, (d input, d weight, d bias))."""
+    vocab, acc = weight.shape[0], helpers.accumulation_dtype(x.dtype)
+    count = _counts(target, ignore_index, divisor)
+    row_scale = row_passes.row_scales(torch.ones((), dtype=acc, device=x.device), target, count, ignore_index,
+                                      vocab, reduction, acc)
+    stats, grads = rows_in_forward(x, weight, bias, target, row_scale, label_smoothing, z_loss, softcap, temperature,
+                                   wants)
     loss, softmax_stats, _ = row_passes.finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
-    return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, (grad_x, grad_w, grad_b)
+    return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, grads
 
 
 def gradient_pass(x, weight, bias, target, softmax_stats, count, grad_output, ignore_index: int,
@@ -704,25 +714,15 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
 
 
 def log_prob_rows(x, weight, bias, target, ignore_index: int, softcap: float, temperature: float, stat_rows: int):
-    """A frozen head's forward (choose_schedule's "rows", as row_pass): a chunk of rows with every class at a time,
-    their statistics and d log p_t / d input for a grad_output of 1 (backward scales each row by its own), in x's
-    dtype: 2 products, where chunks of classes take 3 (the logits again in backward). Returns (stats, d input)."""
-    rows, vocab = x.shape[0], weight.shape[0]
-    stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
-    grad_x = torch.empty_like(x)
-    ones = torch.ones(rows, dtype=stats.dtype, device=x.device)
-    height = row_chunk_rows(vocab, x.element_size())
-    for first in range(0, rows, height):
-        end = min(first + height, rows)
-        z, t = F.linear(x[first:end], weight, bias), target[first:end]
-        chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device, stat_rows)  # contiguous, for the kernels
-        row_passes.fold_stats(z, t, 0, vocab, chunk_stats, softcap, temperature=temperature)
-        stats[:, first:end] = chunk_stats
-        softmax_stats = row_passes.softmax_stats_of(chunk_stats)
-        row_scale, _ = row_passes.log_prob_scales(ones[first:end], None, t, ignore_index, vocab, softmax_stats)
-        row_passes.write_gradient(z, z, t, 0, vocab, softmax_stats, row_scale, 0.0, 0.0, softcap, temperature)
-        _mm(z, weight, grad_x[first:end])
-        del z  # before the next chunk's logits: one chunk held at a time
+    """A frozen head's forward (choose_schedule's "rows"): rows_in_forward with each row's d log p_t = -(d
+    cross-entropy) for a grad_output of 1 (backward scales each row by its own), d input in x's dtype: 2
+    products, where chunks of classes take 3 (the logits again in backward). Returns (stats, d input)."""
+    acc = helpers.accumulation_dtype(x.dtype)
+    # log_prob_scales' row scale for a weight of 1
+    row_scale = -row_passes.per_row(torch.ones((), dtype=acc, device=x.device), target, ignore_index,
+                                    weight.shape[0]).contiguous()
+    stats, (grad_x, _, _) = rows_in_forward(x, weight, bias, target, row_scale, 0.0, 0.0, softcap, temperature,
+                                            (True, False, False), stat_rows)
     return stats, grad_x
 
 
@@ -802,9 +802,7 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
         if linear_weight.dim() != 2:
             raise helpers.ArgumentError(f"linear_log_probs: linear_weight must be (C, H), got "
                                         f"{tuple(linear_weight.shape)}")
-        if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
-            raise helpers.ArgumentError(f"linear_log_probs: target must hold class indices, int64 or int32, got "
-                                        f"{target.dtype}")
+        ce.check_class_indices("linear_log_probs", target)
     except ValueError as error:  # with process_group: raised on every rank
         vocab_parallel.raise_on_every_rank(process_group, input, error)
     weight, bias = linear_weight, linear_bias  # the engine's names: weight is the linear layer's

@@ -146,11 +146,16 @@ def reduce_loss(loss, count, reduction: str):
 def row_scales(grad_output, target, count, ignore_index: int, classes, reduction: str, dtype):
     """Each row's factor on its gradient: grad_output (times 1 / count for 'mean'); 0 for an
     ignored row, NaN for a class outside [0, classes)."""
-    counted, invalid = _row_counts(target, ignore_index, classes)
     scale = grad_output.to(dtype)
     if reduction == "mean":
         scale = scale / count.to(dtype)
-    return torch.where(invalid, torch.nan, torch.where(counted, scale, 0.0)).contiguous()
+    return per_row(scale, target, ignore_index, classes).contiguous()
+
+
+def per_row(values, target, ignore_index: int, classes):
+    """values (per row, or one for all): 0 at an ignored row, NaN at a class outside [0, classes)."""
+    counted, invalid = _row_counts(target, ignore_index, classes)
+    return torch.where(invalid, torch.nan, torch.where(counted, values, 0.0))
 
 
 def write_gradient(z, grad, target, start: int, classes, softmax_stats, row_scale, label_smoothing: float,
@@ -251,23 +256,17 @@ def log_prob_outputs(stats, target, ignore_index: int, classes, return_entropy: 
     """(log_probs, entropy, softmax_stats) from complete statistics (entropy's rows with
     return_entropy, else entropy empty): per row, 0 at an ignored row, NaN at a class outside [0, V)."""
     softmax_stats = softmax_stats_of(stats)
-    counted, invalid = _row_counts(target, ignore_index, classes)
-
-    def per_row(values):
-        return torch.where(invalid, torch.nan, torch.where(counted, values, 0.0))
-
-    log_probs = per_row(log_probs_of(stats, softmax_stats))
-    entropy = per_row(entropy_of(softmax_stats)) if return_entropy else log_probs.new_empty(0)
+    log_probs = per_row(log_probs_of(stats, softmax_stats), target, ignore_index, classes)
+    entropy = per_row(entropy_of(softmax_stats), target, ignore_index, classes) if return_entropy else \
+        log_probs.new_empty(0)
     return log_probs, entropy, softmax_stats
 
 
 def log_prob_scales(grad_log_probs, grad_entropy, target, ignore_index: int, classes, softmax_stats):
     """write_gradient's (row_scale, entropy_scale) for the gradients of log_prob_outputs' outputs
     (either None): d log p_t / du = [c == t] - p is cross-entropy's gradient with its scale negated."""
-    counted, invalid = _row_counts(target, ignore_index, classes)
-
-    def row_factor(grad):  # 0 at an ignored row, NaN at a class outside [0, V)
-        return torch.where(invalid, torch.nan, torch.where(counted, grad.to(softmax_stats.dtype), 0.0))
+    def row_factor(grad):
+        return per_row(grad.to(softmax_stats.dtype), target, ignore_index, classes)
 
     row_scale = (-row_factor(grad_log_probs) if grad_log_probs is not None
                  else torch.zeros(target.shape[0], dtype=softmax_stats.dtype, device=target.device))

@@ -72,13 +72,19 @@ class CallContext {
 };
 
 // Runs a kernel call, raising its std::invalid_argument (a bad argument found on the
-// kernels' side) as a ValueError; other errors are RuntimeErrors.
+// kernels' side) as a ValueError and its other std::exceptions as RuntimeErrors, each raised
+// by torch's check from the message alone: on one toolchain an exception carrying a string made
+// here crashed the process on its way to Python (notes, v54). torch's own errors pass as they are.
 template <typename Launch>
 void run_kernels(Launch launch) {
   try {
     launch();
+  } catch (const c10::Error&) {
+    throw;
   } catch (const std::invalid_argument& error) {
     TORCH_CHECK_VALUE(false, error.what());
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, error.what());
   }
 }
 

@@ -80,15 +80,15 @@ def schedule_of(options, inputs, grad_of):
 
 def check_schedule(options, inputs, grad_of, monkeypatch, floors=None):
     """check_against_float64 of a case, and that the passes of the schedule it calls for ran; floors:
-    None, or a function of (options, inputs, grad_of, grad_output) giving the loss's floor and each
-    gradient's (float32_floors)."""
+    None, or a function of (inputs, grad_of, grad_output) giving the loss's floor and each gradient's
+    (floors_of)."""
     ran = []
     for name in ("row_pass", "loss_pass", "gradient_pass"):
         monkeypatch.setattr(linear_cross_entropy, name,
                             lambda *args, _name=name, _pass=getattr(linear_cross_entropy, name): ran.append(_name)
                             or _pass(*args))
     grad_output = default_grad_output(reference(options), [t.double() if t.is_floating_point() else t for t in inputs])
-    loss_floor, grad_floors = floors(options, inputs, grad_of, grad_output) if floors else (None, None)
+    loss_floor, grad_floors = floors(inputs, grad_of, grad_output) if floors else (None, None)
     check_against_float64(fused(options), reference(options), inputs, grad_of=grad_of, grad_output=grad_output,
                           case=str(options), grad_floors=grad_floors,
                           **({} if loss_floor is None else dict(floor={inputs[0].dtype: loss_floor})))
@@ -206,25 +206,36 @@ def test_concurrent_backwards_of_forward_written_gradients():
 D_LOGIT_OPS = 24
 
 
-def float32_floors(options, inputs, grad_of, grad_output):
-    """(the loss's floor, each gradient's) by the bound above."""
+def float32_floors(loss_of_logits, reduced, inputs, grad_of, grad_output):
+    """(the loss's floor, each gradient's) by the bound above; loss_of_logits(logits (N, C), target) is the
+    loss of the logits' rows, reduced: whether it sums over them. A gradient other than input's, weight's
+    and bias's (probabilities') keeps FLOOR's."""
     u = torch.finfo(torch.float32).eps / 2
     x, w, t, b = (v.double() if v.is_floating_point() else v for v in inputs)
-    x = x.reshape(-1, x.shape[-1])
+    x, w = x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1])
     (rows, hidden), vocab = x.shape, w.shape[0]
-    logits = F.linear(x, w, b).requires_grad_()
-    loss = reference_of_logits(options)(logits, t.reshape(-1))
+    logits = F.linear(x, w, b.reshape(-1)).requires_grad_()
+    loss = loss_of_logits(logits, t)
     g, = torch.autograd.grad(loss, logits, grad_output.reshape(loss.shape))
     # each gradient as a product A B, and its sum's length: d input G W, d weight G^T x, d bias G^T 1
     products = {0: (g, w, vocab), 1: (g.t(), x, rows), 3: (g.t(), torch.ones(rows, 1, dtype=g.dtype), rows)}
     chain = hidden + 1 + D_LOGIT_OPS
     floors = []
     for i in grad_of:
+        if i not in products:
+            floors.append(FLOOR[torch.float32])
+            continue
         left, right, length = products[i]
         kappa = ((left.abs() @ right.abs()).norm() / (left @ right).norm()).item()
         floors.append(math.sqrt(chain + length) * u * kappa)
-    reduced = options["reduction"] != "none"
     return math.sqrt(chain + vocab + (rows if reduced else 0)) * u, floors
+
+
+def floors_of(options):
+    """float32_floors for reference(options): check_schedule's floors."""
+    return lambda inputs, grad_of, grad_output: float32_floors(
+        lambda logits, t: reference_of_logits(options)(logits, t.reshape(-1)), options["reduction"] != "none",
+        inputs, grad_of, grad_output)
 
 
 @pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
@@ -232,7 +243,7 @@ def float32_floors(options, inputs, grad_of, grad_output):
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 def test_matches_float64_on_cpu(options, dtype, grad_of, small_chunks, monkeypatch):
     check_schedule(options, make_inputs((2, 5), 16, 50, dtype, "cpu"), grad_of, monkeypatch,
-                   float32_floors if dtype == torch.float32 else None)
+                   floors_of(options) if dtype == torch.float32 else None)
 
 
 @pytest.mark.parametrize("options", OPTIONS[:4], ids=str)
@@ -580,18 +591,43 @@ def test_matches_torchs_linear_cross_entropy(case, dtype, small_chunks, monkeypa
     assert_path_taken(case)
 
 
-def definition(x, w, t, linear_bias, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0):
-    """F.linear_cross_entropy's definition, for torch < 2.14 too: the logits whole, (N, C, d1, ..., dK)
-    for a K-dimensional w, rows of classes for (..., H) input, then F.cross_entropy."""
-    logits = F.linear(x, w.reshape(-1, w.shape[-1]), linear_bias.reshape(-1))
-    if w.dim() > 2:
-        logits = logits.reshape(x.shape[0], *w.shape[:-1])
+def definition(x, w, t, linear_bias, **keywords):
+    """F.linear_cross_entropy's definition, for torch < 2.14 too: the logits whole, then definition_of_logits."""
+    return definition_of_logits(F.linear(x, w.reshape(-1, w.shape[-1]), linear_bias.reshape(-1)), x.shape, w.shape,
+                                t, **keywords)
+
+
+def definition_of_logits(logits, x_shape, w_shape, t, weight=None, reduction="mean", ignore_index=-100,
+                         label_smoothing=0.0):
+    """F.cross_entropy of F.linear's logits (x_shape[:-1], prod(w_shape[:-1])): (N, C, d1, ..., dK) for a
+    K-dimensional w, rows of classes for (..., H) input."""
+    if len(w_shape) > 2:
+        logits = logits.reshape(x_shape[0], *w_shape[:-1])
     else:
-        logits, t = logits.reshape(-1, w.shape[0]), (t.reshape(-1, w.shape[0]) if t.is_floating_point()
+        logits, t = logits.reshape(-1, w_shape[0]), (t.reshape(-1, w_shape[0]) if t.is_floating_point()
                                                       else t.reshape(-1))
     loss = F.cross_entropy(logits, t, weight=weight, reduction=reduction, ignore_index=ignore_index,
                            label_smoothing=label_smoothing)
-    return loss.reshape(x.shape[:-1]) if reduction == "none" and w.dim() == 2 else loss
+    return loss.reshape(x_shape[:-1]) if reduction == "none" and len(w_shape) == 2 else loss
+
+
+def check_fallback(case, inputs, keywords):
+    """The fallback (the logits whole) against definition in float64, float32's floors by float32_floors."""
+    x, w = inputs[:2]
+    ours = with_class_weights(losses.linear_cross_entropy, keywords)
+    truth = with_class_weights(definition, {**keywords, "ignore_index": keywords.get("ignore_index", -100)})
+    as_float64 = [v.double() if v.is_floating_point() else v for v in inputs]
+    grad_output = default_grad_output(truth, as_float64)
+    grad_of = (0, 1, 2, 3) if inputs[2].is_floating_point() else (0, 1, 3)
+    floors = {}
+    if x.dtype == torch.float32:
+        options = {name: value for name, value in keywords.items() if name != "weight"}
+        weight = class_weights_for(as_float64[0], w.shape[0]) if keywords.get("weight") else None
+        loss_floor, floors["grad_floors"] = float32_floors(
+            lambda logits, t: definition_of_logits(logits, x.shape, w.shape, t, weight=weight, **options),
+            options.get("reduction", "mean") != "none", inputs, grad_of, grad_output)
+        floors["floor"] = {torch.float32: loss_floor}
+    check_against_float64(ours, truth, inputs, grad_of=grad_of, grad_output=grad_output, case=case, **floors)
 
 
 # name: (rows, probabilities, keywords (weight=True: class weights), out_features); 5 classes
@@ -611,10 +647,7 @@ def test_the_fallback_matches_the_definition_on_any_torch(case, dtype, monkeypat
     rows, probabilities, keywords, out_features = FALLBACK_CASES[case]
     inputs = make_case(rows, 8, 5, dtype, probabilities, keywords.get("ignore_index"), out_features)
     assert_path_taken = check_path(monkeypatch, whole=True)
-    reference_keywords = {**keywords, "ignore_index": keywords.get("ignore_index", -100)}  # ours: None is -100
-    check_against_float64(with_class_weights(losses.linear_cross_entropy, keywords),
-                          with_class_weights(definition, reference_keywords), inputs,
-                          grad_of=(0, 1, 2, 3) if probabilities else (0, 1, 3), case=case)
+    check_fallback(case, inputs, keywords)
     assert_path_taken(case)
 
 
@@ -877,8 +910,7 @@ def test_the_fallback_on_cuda_and_strict_mode_refusing_it(case, monkeypatch):
     with pytest.raises(RuntimeError, match="FUSED_LOSSES_STRICT"):
         ours(*inputs)
     monkeypatch.delenv("FUSED_LOSSES_STRICT")
-    check_against_float64(ours, with_class_weights(definition, keywords), inputs,
-                          grad_of=(0, 1, 2, 3) if probabilities else (0, 1, 3), case=case)
+    check_fallback(case, inputs, keywords)
 
 
 @pytest.mark.gpu
