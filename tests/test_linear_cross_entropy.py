@@ -218,7 +218,8 @@ def float32_floors(loss_of_logits, reduced, inputs, grad_of, grad_output):
     loss = loss_of_logits(logits, t)
     g, = torch.autograd.grad(loss, logits, grad_output.reshape(loss.shape))
     # each gradient as a product A B, and its sum's length: d input G W, d weight G^T x, d bias G^T 1
-    products = {0: (g, w, vocab), 1: (g.t(), x, rows), 3: (g.t(), torch.ones(rows, 1, dtype=g.dtype), rows)}
+    ones = torch.ones(rows, 1, dtype=g.dtype, device=g.device)
+    products = {0: (g, w, vocab), 1: (g.t(), x, rows), 3: (g.t(), ones, rows)}
     chain = hidden + 1 + D_LOGIT_OPS
     floors = []
     for i in grad_of:
