@@ -47,8 +47,10 @@ else:  # a plain folder on sys.path, or `python loader.py`
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNELS = ("cross_entropy", "kl_div", "mse", "row_passes")
 # Built only when asked for by name, for arch "9.0a" (their wgmma code runs on cc 9.0 only;
-# other archs build a launcher that refuses): the sm_90a product (scratch/gemm_plan.md).
+# other archs build a launcher that refuses): the sm_90a product (notes/performance.md).
 SM90A_KERNELS = ("linear_ce_gemm",)
+# sm_90a takes nvcc 12.0 or later; the toolkit a build uses has torch's CUDA major version.
+BUILDS_SM90A = torch.version.cuda is not None and int(torch.version.cuda.split(".")[0]) >= 12
 # The dtypes a build can hold, by name, with kernels/ops.h's DType codes.
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 EXTRA_CFLAGS = ["-O3"]
