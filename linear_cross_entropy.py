@@ -146,13 +146,13 @@ def _counts(target, ignore_index: int, divisor):
 def fused_product(x, weight, bias) -> bool:
     """The one choice of how the statistics are made: by our sm_90a product with the row passes in its
     epilogue (linear_ce_gemm's row_stats: no logits in memory), or by cuBLAS chunks and the row passes.
-    The fused product takes a cc 9.0 GPU, 2-byte operands of one dtype (bias too), rows the copy engine
-    reads (contiguous along H, H and the row strides multiples of 8, rows apart, 16 B-aligned; < 2^31 rows),
-    outside torch.compile."""
+    The fused product takes a cc 9.0 GPU and a CUDA 12+ torch (loader.BUILDS_SM90A), 2-byte operands of one
+    dtype (bias too), rows the copy engine reads (contiguous along H, H and the row strides multiples of 8,
+    rows apart, 16 B-aligned; < 2^31 rows), outside torch.compile."""
     if not (x.is_cuda and x.dtype in helpers.LOW_PRECISION and weight.dtype == x.dtype and x.numel() and weight.numel()
             and (bias is None or bias.dtype == x.dtype) and not helpers.is_compiling()):
         return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if not helpers.loader.BUILDS_SM90A or torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     return all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.stride(0) >= t.shape[1] and t.shape[0] < 2**31
                and t.data_ptr() % 16 == 0 for t in (x, weight)) and \
