@@ -169,7 +169,7 @@ def fold_linear(x, weight, bias, target, start: int, softcap: float, temperature
         ops = helpers.kernel_ops("linear_ce_gemm", x)
         local_target = target - start if start else target
         partials = ops.row_stats(x, weight, None if bias is None else bias.contiguous(), local_target, float(softcap),
-                                 float(temperature), stat_rows, 0, 0)  # the launcher's grid and schedule
+                                 float(temperature), stat_rows, 0)  # the launcher's grid
         return ops.combine_row_stats(partials)  # row_passes.combine_tiles' arithmetic, one kernel
     stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
     for first, w, b in _chunks(weight, bias, chunk_width(rows, local, x.element_size())):

@@ -75,11 +75,11 @@ KERNEL_OPS = {
     },
     # sm_90a only (loader.SM90A_KERNELS), for the tests and the benchmark: a @ b.T, 2-byte
     # operands, into out when given (returned); max_blocks > 0 caps the persistent grid, 0: one
-    # block a multiprocessor; schedule 0: the launcher's choice, 1: cooperative, 2: pingpong.
+    # block a multiprocessor.
     "linear_ce_gemm": {
-        "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks, int schedule) -> Tensor",
+        "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks) -> Tensor",
         "row_stats": ("(Tensor a, Tensor b, Tensor? bias, Tensor target, float softcap, float temperature, "
-                      "int stat_rows, int max_blocks, int schedule) -> Tensor"),
+                      "int stat_rows, int max_blocks) -> Tensor"),
         "combine_row_stats": "(Tensor partials) -> Tensor",
     },
 }

@@ -556,7 +556,7 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
 // ---------------------------------------------------------------------------------
 // linear_ce_gemm (sm_90a only). Checks with literal messages (a formatted one crashed one
 // toolchain's process instead of raising: notes, v54).
-inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_blocks, int64_t schedule) {
+inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_blocks) {
   TORCH_CHECK(a.is_cuda() && a.dim() == 2 && b.dim() == 2 && b.device() == a.device() && a.size(1) == b.size(1),
               "linear_ce_gemm: a (m, k) and b (n, k) must be 2-D CUDA tensors on one device with the same k");
   TORCH_CHECK_VALUE((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) &&
@@ -573,9 +573,6 @@ inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_
                          reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0),
                     "linear_ce_gemm: k and the row strides must be multiples of 8 and a, b 16 B-aligned (the copy "
                     "engine moves 16 B-aligned rows)");
-  TORCH_CHECK_VALUE(schedule >= kGemmScheduleDefault && schedule <= kGemmSchedulePingpongCluster,
-                    "linear_ce_gemm: schedule must be 0 (the launcher's choice), 1 (cooperative), 2 (pingpong), 3 "
-                    "(cooperative, clusters of 2) or 4 (pingpong, clusters of 2)");
   GemmCall call{};
   call.dtype = dtype_of(a);
   call.m = m;
@@ -586,16 +583,14 @@ inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_
   call.b = b.data_ptr();
   call.ldb = ldb;
   call.max_blocks = max_blocks;
-  call.schedule = schedule;
   return call;
 }
 
 // a @ b.T for 2-byte a (m, k) and b (n, k) with K contiguous (row strides may exceed k), into
 // `out` ((m, n), columns contiguous, rows at any stride; returned) or else a new contiguous (m, n)
-// tensor. max_blocks > 0 caps the persistent grid (tests); 0: one block a multiprocessor. schedule:
-// a GemmScheduleCode (ops.h), 0 for the launcher's choice.
+// tensor. max_blocks > 0 caps the persistent grid (tests); 0: one block a multiprocessor.
 inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_PARAMS) {
-  GemmCall call = gemm_call(a, b, max_blocks, schedule);
+  GemmCall call = gemm_call(a, b, max_blocks);
   at::Tensor c;
   if (out.has_value() && out->defined()) {
     c = *out;
@@ -616,12 +611,12 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_
 }
 
 // The fused product's statistics (gemm_sm90.cuh's GemmRowStats): for the logits a @ b.T (+ bias)
-// at softcap and temperature, each row's statistics over each tile of classes (256 cooperative,
-// 192 pingpong: gemm_row_stats_tile_columns), (tiles, stat_rows, m) float32, stat_rows 5 or 6
-// (row_passes' rows; the tiles combined by the caller). target (m,) int64 or int32 class indices
+// at softcap and temperature, each row's statistics over each tile of 192 classes (ops.h's
+// kGemmRowStatsTileColumns), (tiles, stat_rows, m) float32, stat_rows 5 or 6 (row_passes' rows;
+// the tiles combined by the caller). target (m,) int64 or int32 class indices
 // (others, e.g. -100, match no class); bias (n,) of a's dtype or None.
 inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_PARAMS) {
-  GemmCall call = gemm_call(a, b, max_blocks, schedule);
+  GemmCall call = gemm_call(a, b, max_blocks);
   TORCH_CHECK_VALUE(call.k > 0, "gemm_row_stats: k must be > 0");
   TORCH_CHECK_VALUE(stat_rows == 5 || stat_rows == 6, "gemm_row_stats: stat_rows must be 5 or 6");
   TORCH_CHECK_VALUE(target.device() == a.device() && target.dim() == 1 && target.size(0) == call.m &&
@@ -635,8 +630,7 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
     stats.bias = bias->data_ptr();
   }
   TORCH_CHECK_VALUE(temperature > 0 && softcap >= 0, "gemm_row_stats: temperature must be > 0 and softcap >= 0");
-  const int64_t tile_columns = gemm_row_stats_tile_columns(schedule);
-  const int64_t tiles_n = (call.n + tile_columns - 1) / tile_columns;
+  const int64_t tiles_n = (call.n + kGemmRowStatsTileColumns - 1) / kGemmRowStatsTileColumns;
   at::Tensor partials = at::empty({tiles_n, stat_rows, call.m}, a.options().dtype(at::kFloat));
   if (call.m == 0 || call.n == 0) return partials;
   CallContext context(a);

@@ -6,79 +6,39 @@
 // operands from shared memory, float32 sums in registers, then the epilogue: store C, or each
 // row's statistics). Persistent: one block a multiprocessor walks tiles blockIdx.x, + gridDim.x,
 // ... in a grouped order (GemmTiles), the same for every run; each output tile has one owner and
-// a fixed K order: the same bits every run, whatever the grid. Two schedules (GemmSchedule),
-// each alone or in clusters of 2 blocks (below):
+// a fixed K order: the same bits every run, whatever the grid.
 //
-// Cooperative (stage 1): a 128 x 256 tile a block, each consumer 64 of its rows (m64n256k16, 128
-// sums a thread), 4 stages of (128 + 256) x 64 x 2 B = 48 KB. Napkin (H100 SXM, 132 SMs, 989
-// TFLOP/s): a K block is 2 x 128 x 256 x 64 = 4.2 MFLOP, 550 ns of one SM's tensor cores, against
-// 48 KB from L2 (85 FLOP/B): 11.7 TB/s for the GPU at full speed, which L2 serves only because the
-// grouped order keeps A's and B's live tiles (~16 + 16 MB at M = 8192) resident. Both consumers
-// finish a tile at once and run their epilogues together while the tensor cores idle: nothing for
-// a store, but the statistics epilogue is exposed (H200, Llama 3's head: ~6 us a tile, ~11%).
-//
-// Pingpong (stage 3b): each consumer owns whole 128 x 192 tiles, alternately (consumer 0 the
-// block's tiles 0, 2, 4, ..., consumer 1 tiles 1, 3, ...), and an ordered barrier makes their main
-// loops take turns on the tensor cores, so each one's epilogue runs under the other's main loop.
-// Napkin for Llama 3's head, 8192 x 128256 x 4096:
+// Pingpong: each consumer owns whole 128 x 192 tiles, alternately (consumer 0 the block's tiles 0,
+// 2, 4, ..., consumer 1 tiles 1, 3, ...), and an ordered barrier makes their main loops take turns
+// on the tensor cores, so each one's epilogue runs under the other's main loop.
+// Why this schedule alone: the losses use row_stats only; on an H200 (8192 x 128256 x 4096 bf16)
+// a cooperative schedule (128 x 256 tiles, both consumers on each, epilogues exposed) took 14.27 ms
+// for it against pingpong's 13.53, and clusters of 2 sharing B by multicast gained under the 3% a
+// variant must earn (13.26). Git history holds both.
+// Napkin for Llama 3's head, 8192 x 128256 x 4096 (H100 SXM: 132 SMs, 989 TFLOP/s):
 // - Registers: 2 x m64n192k16 a k16 step, 2 x 96 = 192 float32 sums a thread of the 232 that
 //   setmaxnreg gives a consumer (40 x 128 + 2 x 232 x 128 = 64512, the block's 384 x 168 at
 //   launch): 40 for addresses, counters and the epilogue, which works on one 16-row block (96
 //   sums) at a time, in place. ptxas must spill nothing.
 // - Shared memory: a stage is (128 + 192) x 64 x 2 B = 40 KB; 5 stages 200 KB, staging 8 warps x 16
 //   rows x 64 columns x 2 B = 16 KB, 12 barriers, 1 KB of alignment slack: 222304 of 232448 B.
-// - L2 -> shared bytes: 40 KB a K block for 2 x 128 x 192 x 64 = 3.15 MFLOP, 77 FLOP/B against the
-//   cooperative tile's 85: 11% more bytes a FLOP (7.9 -> 8.8 TB/s across 132 SMs at 674 TFLOP/s).
-// - Tiles: N = 128256 = 668 x 192 exactly (501 x 256); 64 x 668 = 42752 tiles, 323.9 a block on
-//   132 SMs. A ragged N's last tile is masked as before (zeros copied in, columns >= N skipped).
+// - L2 -> shared bytes: 40 KB a K block for 2 x 128 x 192 x 64 = 3.15 MFLOP, 77 FLOP/B: 8.8 TB/s
+//   across 132 SMs at 674 TFLOP/s, which L2 serves only because the grouped order keeps A's and
+//   B's live tiles resident.
+// - Tiles: N = 128256 = 668 x 192 exactly; 64 x 668 = 42752 tiles, 323.9 a block on 132 SMs. A
+//   ragged N's last tile is masked (zeros copied in, columns >= N skipped).
 // - Overlap: a tile's main loop is 2 x 128 x 192 x 4096 = 201 MFLOP, ~49k clocks of an SM's 4096
-//   FLOP a clock (~25 us); its statistics, 24576 values, ~1.5 x the cooperative ~6 us (16384 a
-//   consumer): hidden while shorter than the other consumer's main loop.
-// gemm_nt keeps the cooperative schedule unless pingpong's store proves as fast (the launcher's
-// named choice, linear_ce_gemm.cu); the tests run both schedules with both epilogues.
-//
-// Clusters of 2 (stage 3c, either schedule: GemmSchedule's kClusterM): the blocks of a cluster
-// (neighbouring SMs) own M tiles 2i and 2i + 1 of one N tile, so both read the same B tile: each
-// copies its own A box and half of B's (96 or 128 rows) with .multicast::cluster, which lands in
-// both blocks' stage. Along M because B is the larger box (192 or 256 rows against A's 128) and the
-// grouped order (M fastest) already runs M neighbours side by side. Napkin, a block's K block from
-// L2: pingpong 16 + 12 = 28 KB instead of 40 (110 FLOP/B: 6.1 TB/s at 674 TFLOP/s instead of 8.8),
-// cooperative 16 + 16 = 32 KB instead of 48 (128 FLOP/B: 5.3 instead of 7.9 TB/s). Shared memory,
-// stages and registers as alone; the cost is coupling: a block waits for its peer's copies and
-// readers. fast.cu found clusters over 2 slower: 2 only.
-// - Lock-step: GemmTiles counts the cluster's tiles (2 M tiles x 1 N tile; ceil(M tiles / 2) rows
-//   of them, grouped as above); cluster c = blockIdx.x / 2 walks tiles c, c + clusters, ..., both
-//   blocks the same list, the block of rank r = blockIdx.x % 2 owning M tile 2m + r. So both count
-//   the same steps and fill and free the same stages in the same order (pingpong: the same consumer
-//   owns the pair in both). The grid is whole clusters (the launcher rounds max_blocks down, to 2 at
-//   least). Which block owns a tile changes no bit: clusters or not, the same sums.
-// - Ragged: with an odd number of M tiles the last row's rank-1 tile lies wholly past M (a ghost):
-//   its block copies no A but multicasts its half of B, and its consumer waits for and frees every
-//   stage with no wgmma and no epilogue. A half of B wholly past N (the last N tile) is copied by
-//   neither block and expected by neither (both decide from n alike): its rows feed only masked
-//   columns, and no copy relies on how the copy engine fills a box wholly out of bounds.
+//   FLOP a clock (~25 us); its statistics, 24576 values, ~9 us (1.5 x the ~6 us an H200 took for
+//   a consumer's 16384 of a 128 x 256 tile): hidden while shorter than the other consumer's main loop.
 //
 // Barriers (mbarriers, parity waits; a fresh barrier counts the phase before its first as done):
 // - step: the block's K blocks counted across its tiles in order, both consumers' tiles: its
 //   j-th tile's k-th block is step j x k_blocks + k; stage = step % stages, parity (step / stages) & 1.
-// - full[stage]: 1 arrival (the producer's expect_tx) + the stage's bytes; a consumer waits parity
-//   (step / stages) & 1. In a cluster the bytes are those landing in this block: its A box (none
-//   for a ghost) + each half of B within N, its own and the peer's multicast. The peer's may land
-//   before this block's expect_tx: the phase cannot complete without that arrival, and cannot be
-//   the previous round's (the peer copies round n + 1 only after this block's readers freed round n,
-//   each after its wait on full's round n).
-// - empty[stage]: one arrival from each warp that read the stage (cooperative 8, pingpong 4); the
-//   producer waits parity ((step / stages) & 1) ^ 1, so the first round passes at once. In a
-//   cluster both producers write both blocks' copy of a stage, so each reading warp of either block
-//   arrives on both blocks' empty (lane r on block r's, through mapa): 16 or 8 arrivals, and a
-//   producer refills a stage only when both blocks' readers are done with its last round. When
-//   this block's half of B was not copied the peer can run a round ahead and its round n + 1
-//   arrivals reach this block's empty while one of round n is still in flight: the count still
-//   holds, since the peer passed round n only after every warp here had arrived in the peer's
-//   barrier, which each does after its reads and in the same instruction as here. No phase gets
-//   two ahead of its waiter: phase n + 1 needs this block's own round n + 1 arrivals, which follow
-//   this producer's round n + 1 copy (and the peer's round n + 2 needs them too).
-// - turn[c] (pingpong): 4 arrivals, one from each warp of consumer 1 - c when it has issued the
+// - full[stage]: 1 arrival (the producer's expect_tx) + the stage's 40 KB (a box partly past the
+//   operand lands whole, zeros filled in); a consumer waits parity (step / stages) & 1.
+// - empty[stage]: 4 arrivals, one from each warp of the consumer that read the stage; the
+//   producer waits parity ((step / stages) & 1) ^ 1, so the first round passes at once.
+// - turn[c]: 4 arrivals, one from each warp of consumer 1 - c when it has issued the
 //   last wgmma of a tile. Consumer c's i-th tile (the block's tile 2i + c) waits parity
 //   (i & 1) ^ (c == 0): consumer 0 for consumer 1's first i arrivals (none before its first tile:
 //   parity 1 passes a fresh barrier), consumer 1 for consumer 0's first i + 1. Parity is enough: a
@@ -87,9 +47,6 @@
 //   turns also keep full's parities sound when k_blocks < stages: all waits on full run in step
 //   order, so step - stages's wait has passed when step's begins.
 // - The epilogues need no order between consumers: each warp stages in its own buffer.
-// - Clusters: turn[c] stays each block's own. A cluster barrier (every thread of both blocks) after
-//   the barriers' init (the peer copies into and arrives on them) and before exit (the peer's last
-//   arrivals on this block's empty barriers land first). Every new wait is gemm_mbarrier_wait.
 //
 // Build: wgmma and setmaxnreg exist only for sm_90a (-gencode arch=compute_90a,code=sm_90a;
 // loader arch "9.0a"). Everywhere else (sm_80, plain sm_90, CUDA 11.8) the kernel body is a
@@ -136,52 +93,34 @@ constexpr int kGemmConsumerWarps = 4 * kGemmConsumers;
 // wgmma descriptors' base offset is 0 and the TMA's swizzle and the descriptors' agree.
 constexpr int kGemmSmemAlign = 1024;
 
-// The two schedules (the file's header): cooperative (a 128 x 256 tile, 64 rows a consumer) and
-// pingpong (a 128 x 192 tile a consumer, consumers alternating), each alone or in clusters of
-// kClusterBlocks blocks along M that share B's tile (multicast). Everything here follows from the flags.
-template <bool kPingpongSchedule, int kClusterBlocks = 1>
-struct GemmSchedule {
-  static constexpr bool kPingpong = kPingpongSchedule;
-  static constexpr int kClusterM = kClusterBlocks;  // blocks of a cluster: M tiles 2i and 2i + 1 (the header)
-  static constexpr int kTileN = kPingpong ? 192 : 256;  // rows of B (columns of C) a tile
-  static constexpr int kStages = kPingpong ? 5 : 4;     // 5 x 40 KB or 4 x 48 KB in flight
-  static constexpr int kConsumerRows = kPingpong ? kGemmTileM : kGemmTileM / kGemmConsumers;  // of a tile
-  static constexpr int kRowBlocks = kConsumerRows / 64;  // m64 wgmmas a k16 step
-  static constexpr int kSums = kTileN / 2;               // float32 sums a thread, per 64-row block
-  // Warps that read a stage, each of which frees it once in every block of the cluster (the peer's
-  // producer writes this block's stage too): both consumers' or the owner's, times the cluster's blocks.
-  static constexpr int kReleaseArrivals = (kPingpong ? 4 : kGemmConsumerWarps) * kClusterM;
-  // The epilogue stages a warp's 16 rows x kStagingColumns at a time: apart from the pipeline's
-  // stages, which the producer is already filling with the next tiles' K blocks.
-  static constexpr int kStagingColumns = kPingpong ? 64 : 128;
-  static constexpr int kStagingWarpBytes = 16 * kStagingColumns * 2;
-  static constexpr int kStageBytesA = kGemmTileM * kGemmTileK * 2;  // 16 KB
-  static constexpr int kStageBytesB = kTileN * kGemmTileK * 2;      // 24 or 32 KB
-  static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
-  // B's rows one block copies a stage (its part, multicast to the cluster), 96 or 128 in clusters of 2.
-  static constexpr int kBoxRowsB = kTileN / kClusterM;
-  static constexpr int kBoxBytesB = kBoxRowsB * kGemmTileK * 2;
-  static constexpr int kOffsetB = kStages * kStageBytesA;
-  static constexpr int kOffsetStaging = kOffsetB + kStages * kStageBytesB;
-  static constexpr int kOffsetBarriers = kOffsetStaging + kGemmConsumerWarps * kStagingWarpBytes;
-  static constexpr int kBarriers = 2 * kStages + (kPingpong ? kGemmConsumers : 0);  // full, empty (, turn)
-  static constexpr int kSmemBytes = kGemmSmemAlign + kOffsetBarriers + kBarriers * 8;  // 230464, 222304 B
-  static_assert(kSmemBytes <= 232448, "more than an H100 block's 227 KB of shared memory");
-  static_assert(kStageBytesA % kGemmSmemAlign == 0 && kStageBytesB % kGemmSmemAlign == 0, "stage alignment");
-  // Each block's part starts on a swizzle atom, so the parts' swizzle is the whole box's.
-  static_assert(kBoxBytesB % kGemmSmemAlign == 0 && (kClusterM == 1 || kClusterM == 2), "clusters of 1 or 2");
-  static_assert(kTileN % kStagingColumns == 0, "whole staging pieces");
-};
-using GemmCooperative = GemmSchedule<false>;
-using GemmPingpong = GemmSchedule<true>;
-using GemmCooperativeCluster = GemmSchedule<false, 2>;
-using GemmPingpongCluster = GemmSchedule<true, 2>;
+// The tile and its pipeline (the header): everything here follows from the 128 x 192 tile a
+// consumer and the 5 stages.
+constexpr int kGemmTileN = 192;  // rows of B (columns of C) a tile
+static_assert(kGemmTileN == kGemmRowStatsTileColumns, "row_stats' partials: a tile of classes each (ops.h)");
+constexpr int kGemmStages = 5;   // 5 x 40 KB in flight
+constexpr int kGemmRowBlocks = kGemmTileM / 64;  // m64 wgmmas a k16 step: a consumer owns all 128 rows
+constexpr int kGemmSums = kGemmTileN / 2;        // float32 sums a thread, per 64-row block
+// Warps that read a stage, each of which frees it once: the owning consumer's 4.
+constexpr int kGemmReleaseArrivals = kGemmConsumerWarps / kGemmConsumers;
+// The epilogue stages a warp's 16 rows x kGemmStagingColumns at a time: apart from the pipeline's
+// stages, which the producer is already filling with the next tiles' K blocks.
+constexpr int kGemmStagingColumns = 64;
+constexpr int kGemmStagingWarpBytes = 16 * kGemmStagingColumns * 2;
+constexpr int kGemmStageBytesA = kGemmTileM * kGemmTileK * 2;  // 16 KB
+constexpr int kGemmStageBytesB = kGemmTileN * kGemmTileK * 2;  // 24 KB
+constexpr int kGemmStageBytes = kGemmStageBytesA + kGemmStageBytesB;  // what lands in a stage
+constexpr int kGemmOffsetB = kGemmStages * kGemmStageBytesA;
+constexpr int kGemmOffsetStaging = kGemmOffsetB + kGemmStages * kGemmStageBytesB;
+constexpr int kGemmOffsetBarriers = kGemmOffsetStaging + kGemmConsumerWarps * kGemmStagingWarpBytes;
+constexpr int kGemmBarriers = 2 * kGemmStages + kGemmConsumers;  // full, empty, turn
+constexpr int kGemmSmemBytes = kGemmSmemAlign + kGemmOffsetBarriers + kGemmBarriers * 8;  // 222304 B
+static_assert(kGemmSmemBytes <= 232448, "more than an H100 block's 227 KB of shared memory");
+static_assert(kGemmStageBytesA % kGemmSmemAlign == 0 && kGemmStageBytesB % kGemmSmemAlign == 0, "stage alignment");
+static_assert(kGemmTileN % kGemmStagingColumns == 0, "whole staging pieces");
 
 // The persistent schedule: tile t (0 <= t < count) in groups of `group` M tiles, M fastest
 // inside a group, so the blocks running at once (t, t + 1, ... t + grid - 1) share each B tile
-// among `group` of them and each A tile among grid / group: both stay in L2. In clusters of
-// kClusterM blocks a "tile" here is a cluster's: kClusterM M tiles by one N tile, its block of
-// rank r owning M tile kClusterM m + r (tiles_m, group and count count cluster tiles).
+// among `group` of them and each A tile among grid / group: both stay in L2.
 struct GemmTiles {
   int tiles_m, tiles_n, group, k_blocks;
   int64_t count;  // tiles_m * tiles_n
@@ -207,7 +146,7 @@ __host__ __device__ inline TileCoord gemm_tile_coord(const GemmTiles& tiles, int
 #if FUSED_LOSSES_GEMM_SM90A
 
 // Why: the mbarrier's arrival without a transaction: a consumer warp frees a stage with it, or
-// (pingpong) hands the tensor cores to the other consumer.
+// hands the tensor cores to the other consumer.
 __device__ __forceinline__ void gemm_mbarrier_arrive(uint64_t* barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier)) : "memory");
 }
@@ -254,39 +193,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int inne
       : "memory");
 }
 
-// Why: one read of B's part from L2 feeds every block of cta_mask: the box lands at dst's offset in
-// each block's shared memory and completes the transaction of the barrier at `barrier`'s offset in
-// each (both addresses this block's own; the same layout in every block of the cluster).
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const void* map, int inner, int outer,
-                                                      uint64_t* barrier, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(shared_address(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(shared_address(barrier)), "h"(cta_mask)
-      : "memory");
-}
-
-// Why: in a cluster a stage is written by both blocks' producers (each multicasts its part of B), so a
-// consumer warp frees it in the barrier at the same offset in the cluster's block `rank` (its own or
-// the peer's). The default semantics (release, CTA scope), as CUTLASS's pipelines and fast.cu arrive:
-// the stage's reads were the wgmmas', finished at wgmma_wait; ".release.cluster" would add a GPU-wide
-// MEMBAR (ptxas, CUDA 13) that waits for the epilogue's stores, in the main loop.
-__device__ __forceinline__ void gemm_mbarrier_arrive_cluster(uint64_t* barrier, uint32_t rank) {
-  asm volatile(
-      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(shared_address(barrier)),
-      "r"(rank)
-      : "memory");
-}
-
-// Why: every thread of both blocks: at the start the peer's barriers are initialized before this block
-// copies into or arrives on them; at the end the peer's last arrivals on this block's barriers are done
-// before it exits. Not .aligned: the producer warp's lanes reach it from a divergent branch.
-__device__ __forceinline__ void gemm_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// Why: the producer needs few registers and the consumers many (128 or 192 sums + addresses): moving
+// Why: the producer needs few registers and the consumers many (192 sums + addresses): moving
 // the register file's share from one to the other is what lets a 384-thread block hold them.
 template <int kRegisters>
 __device__ __forceinline__ void registers_decrease() {
@@ -333,24 +240,6 @@ __device__ __forceinline__ void accumulators_ready(float (&d)[kSums]) {
   FUSED_LOSSES_WGMMA_D8(0), FUSED_LOSSES_WGMMA_D8(8), FUSED_LOSSES_WGMMA_D8(16), FUSED_LOSSES_WGMMA_D8(24),   \
       FUSED_LOSSES_WGMMA_D8(32), FUSED_LOSSES_WGMMA_D8(40), FUSED_LOSSES_WGMMA_D8(48), FUSED_LOSSES_WGMMA_D8(56), \
       FUSED_LOSSES_WGMMA_D8(64), FUSED_LOSSES_WGMMA_D8(72), FUSED_LOSSES_WGMMA_D8(80), FUSED_LOSSES_WGMMA_D8(88)
-#define FUSED_LOSSES_WGMMA_D128                                                                             \
-  FUSED_LOSSES_WGMMA_D96, FUSED_LOSSES_WGMMA_D8(96), FUSED_LOSSES_WGMMA_D8(104), FUSED_LOSSES_WGMMA_D8(112),   \
-      FUSED_LOSSES_WGMMA_D8(120)
-#define FUSED_LOSSES_WGMMA_N256(types)                                                                          \
-  asm volatile(                                                                                                 \
-      "{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %130, 0;\n"                                         \
-      " wgmma.mma_async.sync.aligned.m64n256k16.f32." types " {"                                                \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                        \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                        \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                        \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "            \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "       \
-      "%128, %129, accumulate, 1, 1, 0, 0;\n}"                                                                  \
-      : FUSED_LOSSES_WGMMA_D128                                                                                 \
-      : "l"(a), "l"(b), "r"(accumulate))
 #define FUSED_LOSSES_WGMMA_N192(types)                                                                          \
   asm volatile(                                                                                                 \
       "{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %98, 0;\n"                                          \
@@ -365,28 +254,22 @@ __device__ __forceinline__ void accumulators_ready(float (&d)[kSums]) {
       : FUSED_LOSSES_WGMMA_D96                                                                                  \
       : "l"(a), "l"(b), "r"(accumulate))
 
-// Why: the tensor cores' widest step, 64 x 256 x 16 (the pingpong tile's 64 x 192 x 16), both
-// operands read from shared memory (K-major, "SS"): d (64 x N float32, N / 2 a thread) += A B^T,
-// or = A B^T when !accumulate. Asynchronous: d must not be touched until a wgmma_wait covers it.
-template <typename T, int kSums>
-__device__ __forceinline__ void wgmma_m64k16(float (&d)[kSums], uint64_t a, uint64_t b, uint32_t accumulate) {
+// Why: the tensor cores' step for a 64-row block of the tile, 64 x 192 x 16, both operands read
+// from shared memory (K-major, "SS"): d (64 x 192 float32, 96 a thread) += A B^T, or = A B^T when
+// !accumulate. Asynchronous: d must not be touched until a wgmma_wait covers it.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[kGemmSums], uint64_t a, uint64_t b, uint32_t accumulate) {
   static_assert(sizeof(T) == 2, "2-byte operands");
-  static_assert(kSums == 128 || kSums == 96, "m64n256k16 or m64n192k16");
-  if constexpr (kSums == 128 && std::is_same_v<T, c10::BFloat16>) {
-    FUSED_LOSSES_WGMMA_N256("bf16.bf16");
-  } else if constexpr (kSums == 128) {
-    FUSED_LOSSES_WGMMA_N256("f16.f16");
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  static_assert(kGemmSums == 96, "m64n192k16");
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
     FUSED_LOSSES_WGMMA_N192("bf16.bf16");
   } else {
     FUSED_LOSSES_WGMMA_N192("f16.f16");
   }
 }
 
-#undef FUSED_LOSSES_WGMMA_N256
 #undef FUSED_LOSSES_WGMMA_N192
 #undef FUSED_LOSSES_WGMMA_D96
-#undef FUSED_LOSSES_WGMMA_D128
 #undef FUSED_LOSSES_WGMMA_D8
 
 // Why: two float32 sums rounded to nearest into one 4-byte pair of T (lo in the low half), one
@@ -411,75 +294,39 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 
 struct GemmShared {
   unsigned char* a;         // stages x 128 rows x 128 B
-  unsigned char* b;         // stages x tile N rows x 128 B
-  unsigned char* staging;   // kGemmConsumerWarps x 16 rows x staging columns x 2 B
+  unsigned char* b;         // stages x 192 rows x 128 B
+  unsigned char* staging;   // kGemmConsumerWarps x 16 rows x 64 columns x 2 B
   uint64_t* full;           // [stage]: the copies landed (1 arrival + the stage's bytes)
   uint64_t* empty;          // [stage]: every warp that reads it is done
-  uint64_t* turn;           // pingpong, [consumer]: the other consumer has issued its tile's wgmmas
+  uint64_t* turn;           // [consumer]: the other consumer has issued its tile's wgmmas
 };
 
 // K blocks are counted across the block's tiles (`step`), so stage = step % stages and the
 // barrier's phase parity = (step / stages) & 1 run on from tile to tile, in every role.
-template <typename Schedule>
-__device__ __forceinline__ uint32_t stage_of(uint32_t step) {
-  return step % Schedule::kStages;
-}
-template <typename Schedule>
-__device__ __forceinline__ uint32_t parity_of(uint32_t step) {
-  return (step / Schedule::kStages) & 1;
-}
+__device__ __forceinline__ uint32_t stage_of(uint32_t step) { return step % kGemmStages; }
+__device__ __forceinline__ uint32_t parity_of(uint32_t step) { return (step / kGemmStages) & 1; }
 
-// A consumer warp frees a stage it has read: lane 0 in its block (alone), or lane r in the cluster's
-// block r (the header's empty[stage]: every warp that reads the stage, in every block).
-template <typename Schedule>
+// A consumer warp frees a stage it has read: lane 0 arrives for its warp (the header's empty[stage]).
 __device__ __forceinline__ void gemm_release_stage(uint64_t* empty, int lane) {
-  if constexpr (Schedule::kClusterM == 1) {
-    if (lane == 0) gemm_mbarrier_arrive(empty);
-  } else {
-    if (lane < Schedule::kClusterM) gemm_mbarrier_arrive_cluster(empty, lane);
-  }
+  if (lane == 0) gemm_mbarrier_arrive(empty);
 }
 
 // One thread: for every K block of every tile, wait until the stage is free, then copy A's 128 x 64
-// and B's tile N x 64 box into it. A fresh barrier counts as having completed the phase before its
-// first, so the first round's waits (parity 1) pass at once. In a cluster, B's box is the blocks'
-// parts, each block's multicast into both (the header); a box wholly past the operand's rows (the
-// cluster's ragged last M tile, the last N tile's part past N) is neither copied nor expected: only
-// outputs the epilogue masks would read its rows.
-template <typename Schedule>
+// and B's 192 x 64 box into it. A fresh barrier counts as having completed the phase before its
+// first, so the first round's waits (parity 1) pass at once.
 __device__ __forceinline__ void gemm_produce(const void* a_map, const void* b_map, const GemmTiles& tiles,
                                              const GemmShared& shared) {
-  constexpr int kCluster = Schedule::kClusterM;
-  const int rank = blockIdx.x % kCluster;  // the cluster's blocks are consecutive (clusters of kCluster x 1 x 1)
   uint32_t step = 0;
-  for (int64_t t = blockIdx.x / kCluster; t < tiles.count; t += gridDim.x / kCluster) {
+  for (int64_t t = blockIdx.x; t < tiles.count; t += gridDim.x) {
     const TileCoord tile = gemm_tile_coord(tiles, t);
-    const int tile_m = tile.m * kCluster + rank;
-    // Row starts in 64 bits: a ghost's may pass 2^31 where M nearly reaches it.
-    const bool copy_a = kCluster == 1 || int64_t(tile_m) * kGemmTileM < tiles.m;
-    const int b_row = tile.n * Schedule::kTileN + rank * Schedule::kBoxRowsB;
-    const bool copy_b = kCluster == 1 || int64_t(tile.n) * Schedule::kTileN + rank * Schedule::kBoxRowsB < tiles.n;
-    uint32_t bytes = copy_a ? Schedule::kStageBytesA : 0;  // what lands here: A's box, every block's part of B
-#pragma unroll
-    for (int part = 0; part < kCluster; ++part) {
-      if (kCluster == 1 || int64_t(tile.n) * Schedule::kTileN + part * Schedule::kBoxRowsB < tiles.n) {
-        bytes += Schedule::kBoxBytesB;
-      }
-    }
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
-      const uint32_t stage = stage_of<Schedule>(step);
-      gemm_mbarrier_wait(&shared.empty[stage], parity_of<Schedule>(step) ^ 1);
-      mbarrier_arrive_expect_tx(&shared.full[stage], bytes);
-      if (copy_a) {
-        tma_load_2d(shared.a + stage * Schedule::kStageBytesA, a_map, k_block * kGemmTileK, tile_m * kGemmTileM,
-                    &shared.full[stage]);
-      }
-      unsigned char* b_part = shared.b + stage * Schedule::kStageBytesB + rank * Schedule::kBoxBytesB;
-      if constexpr (kCluster == 1) {
-        tma_load_2d(b_part, b_map, k_block * kGemmTileK, b_row, &shared.full[stage]);
-      } else if (copy_b) {
-        tma_load_2d_multicast(b_part, b_map, k_block * kGemmTileK, b_row, &shared.full[stage], (1u << kCluster) - 1);
-      }
+      const uint32_t stage = stage_of(step);
+      gemm_mbarrier_wait(&shared.empty[stage], parity_of(step) ^ 1);
+      mbarrier_arrive_expect_tx(&shared.full[stage], kGemmStageBytes);
+      tma_load_2d(shared.a + stage * kGemmStageBytesA, a_map, k_block * kGemmTileK, tile.m * kGemmTileM,
+                  &shared.full[stage]);
+      tma_load_2d(shared.b + stage * kGemmStageBytesB, b_map, k_block * kGemmTileK, tile.n * kGemmTileN,
+                  &shared.full[stage]);
     }
   }
 }
@@ -540,7 +387,7 @@ __device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[kColumns /
 #endif  // FUSED_LOSSES_GEMM_SM90A
 
 // The fused product's epilogue (DESIGN.md, "The fused product"): instead of C, each row's
-// statistics over the tile's columns (256 cooperative, 192 pingpong), in the row passes' form
+// statistics over the tile's 192 columns, in the row passes' form
 // (row_passes.cu: max m, sum of exp(u - m), the target's u, the sum of u, the sum of exp over the
 // classes other than the target; with 6 rows also sum exp(u - m) (u - m)) of
 // u = softcap(round(acc + bias)) / T, the logit rounded to T first as a product's output is, so the
@@ -643,16 +490,15 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[kColumns / 2
 
 #endif  // FUSED_LOSSES_GEMM_SM90A
 
-// What a consumer warp does with its 16 x tile N sums of a tile (the schedule passed as a tag):
-// store them into C, or fold them into the rows' statistics.
+// What a consumer warp does with its 16 x 192 sums of a tile: store them into C, or fold them into
+// the rows' statistics.
 template <typename T>
 struct GemmStoreTile {
   T* c;
 #if FUSED_LOSSES_GEMM_SM90A
-  template <typename Schedule, int kSums>
-  __device__ __forceinline__ void operator()(Schedule, float (&d)[kSums], unsigned char* staging,
-                                             const GemmTiles& tiles, int row0, int col0, int) const {
-    gemm_store_warp_rows<T, 2 * kSums, Schedule::kStagingColumns>(d, staging, c, tiles, row0, col0);
+  __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char* staging, const GemmTiles& tiles,
+                                             int row0, int col0, int) const {
+    gemm_store_warp_rows<T, kGemmTileN, kGemmStagingColumns>(d, staging, c, tiles, row0, col0);
   }
 #endif
 };
@@ -661,91 +507,70 @@ template <typename T>
 struct GemmRowStatsTile {
   GemmRowStats out;
 #if FUSED_LOSSES_GEMM_SM90A
-  template <typename Schedule, int kSums>
-  __device__ __forceinline__ void operator()(Schedule, float (&d)[kSums], unsigned char*, const GemmTiles& tiles,
-                                             int row0, int col0, int tile_n) const {
-    gemm_row_stats_warp_rows<T, 2 * kSums>(d, out, tiles, row0, col0, tile_n);
+  __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char*, const GemmTiles& tiles, int row0,
+                                             int col0, int tile_n) const {
+    gemm_row_stats_warp_rows<T, kGemmTileN>(d, out, tiles, row0, col0, tile_n);
   }
 #endif
 };
 
 #if FUSED_LOSSES_GEMM_SM90A
 
-// A consumer warpgroup. Cooperative: rows [64 consumer, 64 consumer + 64) of every tile of the
-// block. Pingpong: all 128 rows (two 64-row blocks) of the block's tiles consumer, consumer + 2,
+// A consumer warpgroup: all 128 rows (two 64-row blocks) of the block's tiles consumer, consumer + 2,
 // ..., its main loop after the other consumer's (turn[consumer], the header's parities), so that
 // its epilogue runs under the other's main loop. Each K block: wait for its stage, issue the
 // wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the 128 B swizzle span; each
 // row block), commit, and wait until only this group runs; the previous block's stage is then
-// read no more and each warp frees it (in every block of a cluster). A cluster's block whose M tile
-// lies wholly past M (the header's "ghost") computes nothing but waits and frees its stages as the
-// peer's producer expects.
-template <typename T, typename Schedule, typename Epilogue>
+// read no more and each warp frees it.
+template <typename T, typename Epilogue>
 __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared,
                                              const Epilogue& epilogue) {
-  constexpr bool kPingpong = Schedule::kPingpong;
-  constexpr int kCluster = Schedule::kClusterM;
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
-  const bool signals = lane == 0;  // lane 0 arrives for its warp (in its own block)
-  unsigned char* staging = shared.staging + (4 * consumer + warp) * Schedule::kStagingWarpBytes;
-  const int first_row = kPingpong ? 0 : Schedule::kConsumerRows * consumer;  // of the tile
-  const int64_t clusters = gridDim.x / kCluster;
-  const int64_t tile_step = kPingpong ? 2 * clusters : clusters;
-  float d[Schedule::kRowBlocks][Schedule::kSums];
-  // Pingpong: the block's tile 2i + consumer starts at step (2i + consumer) k_blocks.
-  uint32_t step = kPingpong ? consumer * tiles.k_blocks : 0;
+  const bool signals = lane == 0;  // lane 0 arrives for its warp
+  unsigned char* staging = shared.staging + (4 * consumer + warp) * kGemmStagingWarpBytes;
+  const int64_t blocks = gridDim.x;
+  float d[kGemmRowBlocks][kGemmSums];
+  // The block's tile 2i + consumer starts at step (2i + consumer) k_blocks.
+  uint32_t step = consumer * tiles.k_blocks;
   uint32_t turn_parity = consumer == 0 ? 1 : 0;  // (i & 1) ^ (consumer == 0) for its i-th tile
-  for (int64_t t = blockIdx.x / kCluster + (kPingpong ? consumer * clusters : 0); t < tiles.count; t += tile_step) {
+  for (int64_t t = blockIdx.x + consumer * blocks; t < tiles.count; t += 2 * blocks) {
     const TileCoord tile = gemm_tile_coord(tiles, t);
-    const int tile_m = tile.m * kCluster + blockIdx.x % kCluster;
 #pragma unroll
-    for (int block = 0; block < Schedule::kRowBlocks; ++block) {
+    for (int block = 0; block < kGemmRowBlocks; ++block) {
 #pragma unroll
-      for (int i = 0; i < Schedule::kSums; ++i) d[block][i] = 0.f;
+      for (int i = 0; i < kGemmSums; ++i) d[block][i] = 0.f;
     }
-    if constexpr (kPingpong) {
-      gemm_mbarrier_wait(&shared.turn[consumer], turn_parity);
-      turn_parity ^= 1;
-    }
-    if (kCluster > 1 && int64_t(tile_m) * kGemmTileM >= tiles.m) {  // a ghost: the same waits and arrivals, no wgmma
-      for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
-        gemm_mbarrier_wait(&shared.full[stage_of<Schedule>(step)], parity_of<Schedule>(step));
-        if (kPingpong && k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
-        gemm_release_stage<Schedule>(&shared.empty[stage_of<Schedule>(step)], lane);
-      }
-      if constexpr (kPingpong) step += tiles.k_blocks;
-      continue;
-    }
+    gemm_mbarrier_wait(&shared.turn[consumer], turn_parity);
+    turn_parity ^= 1;
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
-      const uint32_t stage = stage_of<Schedule>(step);
-      gemm_mbarrier_wait(&shared.full[stage], parity_of<Schedule>(step));
-      const unsigned char* a_rows = shared.a + stage * Schedule::kStageBytesA + first_row * 128;
-      const uint64_t b = smem_descriptor_k_major_sw128(shared.b + stage * Schedule::kStageBytesB);
+      const uint32_t stage = stage_of(step);
+      gemm_mbarrier_wait(&shared.full[stage], parity_of(step));
+      const unsigned char* a_rows = shared.a + stage * kGemmStageBytesA;
+      const uint64_t b = smem_descriptor_k_major_sw128(shared.b + stage * kGemmStageBytesB);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kGemmTileK / 16; ++k) {
 #pragma unroll
-        for (int block = 0; block < Schedule::kRowBlocks; ++block) {
+        for (int block = 0; block < kGemmRowBlocks; ++block) {
           const uint64_t a = smem_descriptor_k_major_sw128(a_rows + block * 64 * 128);
           wgmma_m64k16<T>(d[block], a + 2 * k, b + 2 * k, 1);
         }
       }
       wgmma_commit();
       // Every wgmma of the tile is issued: the other consumer's main loop may queue behind them.
-      if (kPingpong && k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
+      if (k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
       wgmma_wait<1>();
-      if (k_block > 0) gemm_release_stage<Schedule>(&shared.empty[stage_of<Schedule>(step - 1)], lane);
+      if (k_block > 0) gemm_release_stage(&shared.empty[stage_of(step - 1)], lane);
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int block = 0; block < Schedule::kRowBlocks; ++block) accumulators_ready(d[block]);
-    gemm_release_stage<Schedule>(&shared.empty[stage_of<Schedule>(step - 1)], lane);
-    if constexpr (kPingpong) step += tiles.k_blocks;  // past the other consumer's next tile
+    for (int block = 0; block < kGemmRowBlocks; ++block) accumulators_ready(d[block]);
+    gemm_release_stage(&shared.empty[stage_of(step - 1)], lane);
+    step += tiles.k_blocks;  // past the other consumer's next tile
 #pragma unroll
-    for (int block = 0; block < Schedule::kRowBlocks; ++block) {
-      epilogue(Schedule{}, d[block], staging, tiles, tile_m * kGemmTileM + first_row + 64 * block + 16 * warp,
-               tile.n * Schedule::kTileN, tile.n);
+    for (int block = 0; block < kGemmRowBlocks; ++block) {
+      epilogue(d[block], staging, tiles, tile.m * kGemmTileM + 64 * block + 16 * warp, tile.n * kGemmTileN, tile.n);
     }
   }
 }
@@ -761,51 +586,39 @@ static_assert(128 * kGemmProducerRegisters + 128 * kGemmConsumers * kGemmConsume
                   kGemmThreads * kGemmLaunchRegisters,
               "setmaxnreg's split exceeds the block's registers at launch");
 
-// Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, tile N}, 128 B swizzle.
+// Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, 192}, 128 B swizzle.
 // CUtensorMap is a CUDA 12 type (cuda.h); CUDA 11.8 builds have no kernel (the launcher refuses).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
-// Schedule: GemmCooperative or GemmPingpong. Epilogue: GemmStoreTile<T> (C = A B^T) or
-// GemmRowStatsTile<T> (the rows' statistics).
-template <typename T, typename Schedule, typename Epilogue>
+// Epilogue: GemmStoreTile<T> (C = A B^T) or GemmRowStatsTile<T> (the rows' statistics).
+template <typename T, typename Epilogue>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_nt_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                    const GemmTiles tiles, const Epilogue epilogue) {
 #if FUSED_LOSSES_GEMM_SM90A
   extern __shared__ unsigned char shared_raw[];
   unsigned char* base = align_shared<kGemmSmemAlign>(shared_raw);
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(base + Schedule::kOffsetBarriers);
-  const GemmShared shared{base,     base + Schedule::kOffsetB,     base + Schedule::kOffsetStaging,
-                          barriers, barriers + Schedule::kStages, barriers + 2 * Schedule::kStages};
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(base + kGemmOffsetBarriers);
+  const GemmShared shared{base,     base + kGemmOffsetB,     base + kGemmOffsetStaging,
+                          barriers, barriers + kGemmStages, barriers + 2 * kGemmStages};
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&a_map);
     prefetch_tensor_map(&b_map);
-    for (int s = 0; s < Schedule::kStages; ++s) {
+    for (int s = 0; s < kGemmStages; ++s) {
       mbarrier_init(&shared.full[s], 1);
-      mbarrier_init(&shared.empty[s], Schedule::kReleaseArrivals);
+      mbarrier_init(&shared.empty[s], kGemmReleaseArrivals);
     }
-    if (Schedule::kPingpong) {
-      for (int c = 0; c < kGemmConsumers; ++c) mbarrier_init(&shared.turn[c], kGemmConsumerWarps / kGemmConsumers);
-    }
+    for (int c = 0; c < kGemmConsumers; ++c) mbarrier_init(&shared.turn[c], kGemmConsumerWarps / kGemmConsumers);
   }
-  // The barriers are initialized before any thread uses them (in a cluster, the peer's too: its
-  // producer copies into this block's stages and its consumers arrive on this block's empty barriers).
-  if constexpr (Schedule::kClusterM > 1) {
-    gemm_cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();  // the barriers are initialized before any thread uses them
   wait_for_previous_kernel();
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     registers_decrease<kGemmProducerRegisters>();
-    if (threadIdx.x == 0) gemm_produce<Schedule>(&a_map, &b_map, tiles, shared);
+    if (threadIdx.x == 0) gemm_produce(&a_map, &b_map, tiles, shared);
   } else {
     registers_increase<kGemmConsumerRegisters>();
-    gemm_consume<T, Schedule>(warpgroup - 1, tiles, shared, epilogue);
+    gemm_consume<T>(warpgroup - 1, tiles, shared, epilogue);
   }
-  // The peer's consumers may still be freeing stages in this block's empty barriers: stay until they
-  // are done (every copy into this block has landed: its consumers waited for each one).
-  if constexpr (Schedule::kClusterM > 1) gemm_cluster_sync();
 #else
   __trap();
 #endif

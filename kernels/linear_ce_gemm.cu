@@ -1,11 +1,10 @@
-// linear_ce_gemm.cu: our own sm_90a matrix product for linear_cross_entropy (scratch/gemm_plan.md),
+// linear_ce_gemm.cu: our own sm_90a matrix product for linear_cross_entropy (notes/performance.md),
 // as the ops gemm_nt(a, b) = a @ b.T and row_stats (the same product's rows' softmax statistics
-// per tile of classes, no logits written), each under a cooperative or a pingpong schedule
-// (gemm_sm90.cuh; the launcher's choice below, or the caller's).
+// per tile of classes, no logits written), both under the pingpong schedule (gemm_sm90.cuh).
 //
 //   C[i, j] = sum_k A[i, k] B[j, k]   A (M, K), B (N, K), C (M, N); bfloat16 or float16, float32 sums
 //
-// Bytes: 2 (MK + NK + MN) at least; the tiles re-read A N/256 (N/192) times and B M/128 times, from
+// Bytes: 2 (MK + NK + MN) at least; the tiles re-read A N/192 times and B M/128 times, from
 // L2 when the grouped schedule works (gemm_sm90.cuh). FLOPs 2 MNK: Llama 3's head at 8192 rows,
 // 8192 x 128256 x 4096, is 8.6 TFLOP, 11.7 ms at cuBLAS's 737 TFLOP/s on an H100.
 //
@@ -29,34 +28,7 @@ namespace fused_losses {
 __device__ int gemm_built_for_sm90a = FUSED_LOSSES_GEMM_SM90A;
 
 // ---------------------------------------------------------------------------------
-// Host: the schedules' choice, preconditions, tensor maps, launch.
-
-// Which schedule each product runs when the call leaves it to the launcher (schedule 0): the one
-// named decision, clusters included. The statistics epilogue is hidden only by pingpong (under the
-// other consumer's main loop); the plain store costs the cooperative tile nothing, and its 128 x 256
-// tile reads 11% fewer bytes a FLOP from L2: it stays until pingpong's store is measured no slower.
-// Clusters of 2 (codes 3, 4: B multicast, 28 KB instead of 40 of L2 reads a pingpong block's K
-// block, 32 instead of 48 cooperative) wait for their H200 numbers (scripts/gemm_bench.py times all
-// four schedules). The tests run every schedule with both epilogues.
-constexpr GemmScheduleCode kStoreProductSchedule = kGemmScheduleCooperative;
-constexpr GemmScheduleCode kStatsProductSchedule = kGemmSchedulePingpong;
-
-static GemmScheduleCode schedule_to_run(int64_t schedule, GemmScheduleCode products_choice) {
-  if (schedule < kGemmScheduleDefault || schedule > kGemmSchedulePingpongCluster) {
-    throw std::invalid_argument("fused_losses: linear_ce_gemm's schedule must be 0 (the launcher's choice), 1 "
-                                "(cooperative), 2 (pingpong), 3 or 4 (the same in clusters of 2)");
-  }
-  return schedule == kGemmScheduleDefault ? products_choice : static_cast<GemmScheduleCode>(schedule);
-}
-
-static bool is_pingpong(GemmScheduleCode schedule) {
-  return schedule == kGemmSchedulePingpong || schedule == kGemmSchedulePingpongCluster;
-}
-
-int64_t gemm_row_stats_tile_columns(int64_t schedule) {
-  return is_pingpong(schedule_to_run(schedule, kStatsProductSchedule)) ? GemmPingpong::kTileN
-                                                                        : GemmCooperative::kTileN;
-}
+// Host: preconditions, tensor maps, launch.
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
 
@@ -122,19 +94,18 @@ CUtensorMap k_major_tensor_map(const void* base, int64_t rows, int64_t k, int64_
 }
 
 // Group size of the grouped raster: 8 or 16 M tiles, whichever keeps fewer rows of A and B
-// live across the tiles running at once (group x 128 rows of A, tiles / group x tile N of B;
-// pingpong runs two tiles a block). In M tiles; a cluster's tiles_m and group count its tiles.
-template <typename Schedule>
+// live across the tiles running at once (group x 128 rows of A, tiles / group x 192 of B; two
+// tiles a block, one a consumer).
 int group_for(int64_t grid, int tiles_m) {
-  const int64_t at_once = Schedule::kPingpong ? 2 * grid : grid;
-  auto live_rows = [&](int group) { return group * kGemmTileM + (at_once + group - 1) / group * Schedule::kTileN; };
+  const int64_t at_once = 2 * grid;
+  auto live_rows = [&](int group) { return group * kGemmTileM + (at_once + group - 1) / group * kGemmTileN; };
   const int group = live_rows(16) < live_rows(8) ? 16 : 8;
   return group < tiles_m ? group : tiles_m;
 }
 
-// The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T,
-// Schedule, Epilogue> over call's tiles; make_epilogue(T tag) gives the epilogue.
-template <typename Schedule, typename MakeEpilogue>
+// The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T, Epilogue>
+// over call's tiles; make_epilogue(T tag) gives the epilogue.
+template <typename MakeEpilogue>
 void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogue make_epilogue) {
   // Literal messages only: a std::string thrown from an extension crashed one toolchain (notes, v54).
   check(device_is_sm90(context.device),
@@ -155,68 +126,41 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
   dispatch_dtype(call.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      constexpr int kCluster = Schedule::kClusterM;
       const auto epilogue = make_epilogue(tag);
-      auto kernel = &gemm_nt_kernel<T, Schedule, std::decay_t<decltype(epilogue)>>;
-      check(max_dynamic_smem(kernel, context.device) >= size_t(Schedule::kSmemBytes),
-            "linear_ce_gemm's products need up to 225 KB of shared memory a block, more than this GPU gives");
-      const int m_tiles = static_cast<int>((call.m + kGemmTileM - 1) / kGemmTileM);
-      GemmTiles tiles;  // in a cluster's tiles: kCluster M tiles (the last may lie partly or wholly past M)
-      tiles.tiles_m = (m_tiles + kCluster - 1) / kCluster;
-      tiles.tiles_n = static_cast<int>((call.n + Schedule::kTileN - 1) / Schedule::kTileN);
+      auto kernel = &gemm_nt_kernel<T, std::decay_t<decltype(epilogue)>>;
+      check(max_dynamic_smem(kernel, context.device) >= size_t(kGemmSmemBytes),
+            "linear_ce_gemm's products need 217 KB of shared memory a block, more than this GPU gives");
+      GemmTiles tiles;
+      tiles.tiles_m = static_cast<int>((call.m + kGemmTileM - 1) / kGemmTileM);
+      tiles.tiles_n = static_cast<int>((call.n + kGemmTileN - 1) / kGemmTileN);
       tiles.k_blocks = static_cast<int>((call.k + kGemmTileK - 1) / kGemmTileK);
       tiles.count = int64_t(tiles.tiles_m) * tiles.tiles_n;
       tiles.m = static_cast<int>(call.m);
       tiles.n = static_cast<int>(call.n);
       tiles.ldc = call.ldc;
-      // Persistent: a block a multiprocessor, or as many clusters as the GPU holds at once (its GPCs
-      // decide: perhaps fewer than SMs / 2); no more than there are tiles; max_blocks rounds down to
-      // whole clusters, one at least.
-      int64_t clusters = kCluster == 1 ? int64_t(multiprocessor_count(context.device))
-                                       : resident_clusters_of(kernel, kCluster, kGemmThreads, context.device,
-                                                              Schedule::kSmemBytes);
-      check(clusters > 0, "linear_ce_gemm: this GPU holds no cluster of 2 of its product's blocks");
-      clusters = std::min(clusters, tiles.count);
-      if (call.max_blocks > 0) clusters = std::min(clusters, std::max<int64_t>(1, call.max_blocks / kCluster));
-      const int64_t grid = clusters * kCluster;
-      tiles.group = (group_for<Schedule>(grid, m_tiles) + kCluster - 1) / kCluster;
+      // Persistent: a block a multiprocessor, no more than there are tiles, nor than max_blocks when given.
+      int64_t grid = std::min<int64_t>(multiprocessor_count(context.device), tiles.count);
+      if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
+      tiles.group = group_for(grid, tiles.tiles_m);
       const CUtensorMap a_map = k_major_tensor_map(call.a, call.m, call.k, call.lda, kGemmTileM, call.dtype);
-      const CUtensorMap b_map =
-          k_major_tensor_map(call.b, call.n, call.k, call.ldb, Schedule::kBoxRowsB, call.dtype);
-      launch_kernel(kernel, grid, kGemmThreads, Schedule::kSmemBytes, kCluster, context.device, context.stream, a_map,
-                    b_map, tiles, epilogue);
+      const CUtensorMap b_map = k_major_tensor_map(call.b, call.n, call.k, call.ldb, kGemmTileN, call.dtype);
+      launch_kernel(kernel, grid, kGemmThreads, kGemmSmemBytes, 1, context.device, context.stream, a_map, b_map,
+                    tiles, epilogue);
     } else {
       throw std::invalid_argument("fused_losses: linear_ce_gemm's products take bfloat16 or float16 operands");
     }
   });
 }
 
-// The product's launch under the schedule the call names, or else the product's own choice.
-template <typename MakeEpilogue>
-void launch_scheduled(const GemmCall& call, GemmScheduleCode products_choice, const LaunchContext& context,
-                      MakeEpilogue make_epilogue) {
-  switch (schedule_to_run(call.schedule, products_choice)) {
-    case kGemmSchedulePingpong:
-      return launch_gemm<GemmPingpong>(call, context, make_epilogue);
-    case kGemmScheduleCooperativeCluster:
-      return launch_gemm<GemmCooperativeCluster>(call, context, make_epilogue);
-    case kGemmSchedulePingpongCluster:
-      return launch_gemm<GemmPingpongCluster>(call, context, make_epilogue);
-    default:
-      return launch_gemm<GemmCooperative>(call, context, make_epilogue);
-  }
-}
-
 }  // namespace
 
 void gemm_nt_launch(const GemmCall& call, const LaunchContext& context) {
-  launch_scheduled(call, kStoreProductSchedule, context,
-                   [&](auto tag) { return GemmStoreTile<decltype(tag)>{static_cast<decltype(tag)*>(call.c)}; });
+  launch_gemm(call, context,
+              [&](auto tag) { return GemmStoreTile<decltype(tag)>{static_cast<decltype(tag)*>(call.c)}; });
 }
 
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context) {
-  launch_scheduled(call, kStatsProductSchedule, context,
-                   [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
+  launch_gemm(call, context, [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
 }
 
 #else  // CUDA 11.8: no tensor maps, no sm_90a

@@ -133,16 +133,7 @@ void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext
 
 // C = A B^T on sm_90a (linear_ce_gemm.cu): A (m, k) and B (n, k) with row strides lda, ldb
 // (elements, K contiguous), C (m, n) with row stride ldc, all of `dtype` (float16 or bfloat16).
-// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it; in clusters of 2,
-// rounded down to an even count, 2 at least). schedule: one of GemmScheduleCode, the kernel's
-// schedule (gemm_sm90.cuh); tests and benchmarks name one.
-enum GemmScheduleCode : int64_t {
-  kGemmScheduleDefault = 0,      // the launcher's choice for the product (linear_ce_gemm.cu)
-  kGemmScheduleCooperative = 1,  // 128 x 256 tiles, both consumer warpgroups on each
-  kGemmSchedulePingpong = 2,     // 128 x 192 tiles, one consumer each, epilogue under the other's main loop
-  kGemmScheduleCooperativeCluster = 3,  // cooperative, in clusters of 2 blocks along M sharing B (multicast)
-  kGemmSchedulePingpongCluster = 4,     // pingpong, in clusters of 2 blocks along M sharing B (multicast)
-};
+// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it).
 struct GemmCall {
   DType dtype;
   int64_t m, n, k;
@@ -153,13 +144,11 @@ struct GemmCall {
   void* c;
   int64_t ldc;
   int64_t max_blocks;
-  int64_t schedule;
 };
 
 void gemm_nt_launch(const GemmCall& call, const LaunchContext& context);
 
-// The same product's rows' statistics over each tile of gemm_row_stats_tile_columns(schedule)
-// classes instead of C (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of
+// The same product's rows' statistics over each tile of kGemmRowStatsTileColumns classes instead of C (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of
 // u = softcap(logit + bias) / T.
 struct GemmRowStats {
   float* partials;
@@ -171,8 +160,8 @@ struct GemmRowStats {
   int stat_rows;       // 5, or 6 with the entropy's sum
   bool target_int32;
 };
-// Classes a tile of row_stats' partials covers under `schedule` (a GemmScheduleCode): 256 or 192.
-int64_t gemm_row_stats_tile_columns(int64_t schedule);
+// Classes a tile of row_stats' partials covers: the kernel's tile N (gemm_sm90.cuh's kGemmTileN).
+constexpr int64_t kGemmRowStatsTileColumns = 192;
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
 // row_stats' partials (tiles, stat_rows, rows) combined into the rows' (stat_rows, rows), float32
 // (row_stats_combine.cuh).

@@ -1,16 +1,16 @@
 """Our sm_90a gemm_nt (kernels/gemm_sm90.cuh) against torch.mm (cuBLAS) on an H100/H200.
 
-    python scripts/gemm_bench.py                      # bf16, the plan's three shapes
+    python scripts/gemm_bench.py                      # bf16, three shapes
     python scripts/gemm_bench.py --dtype float16 --shapes 4096x4096x4096
-    python scripts/gemm_bench.py --stats              # also row_stats (the fused product's statistics)
+    python scripts/gemm_bench.py --stats              # also row_stats, combine, and eval's log-probs
     python scripts/gemm_bench.py --debug              # barrier waits trap instead of hanging
 
-Per shape M x N x K (C = A B^T, A: M x K, B: N x K, both K-contiguous) and schedule (cooperative
-128 x 256 tiles, pingpong 128 x 192, each alone or in clusters of 2 blocks sharing B by multicast;
-linear_ce_gemm.cu picks one per product; --schedules to time fewer): CUDA-event time of
-each run after warm-up, median of --runs; TFLOP/s = 2 M N K / time; ours / torch; whether 3 runs
-of ours gave the same bits; our error norm against a float64 product of a row slice vs torch's.
-The third default shape has d input's sizes (8192 x 4096 x 128256), but as an NT product.
+Per shape M x N x K (C = A B^T, A: M x K, B: N x K, both K-contiguous): CUDA-event time of each run
+after warm-up, median of --runs; TFLOP/s = 2 M N K / time; ours / torch; whether 3 runs of ours gave
+the same bits; our error norm against a float64 product of a row slice vs torch's. With --stats:
+row_stats alone, combine_row_stats, both, and linear_log_probs' eval through the fused product
+against cuBLAS + row passes (the fused product's gate). The third default shape has d input's sizes
+(8192 x 4096 x 128256), but as an NT product.
 """
 from __future__ import annotations
 
@@ -26,9 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = ["8192x128256x4096", "4096x4096x4096", "8192x4096x128256"]
-# The ops' schedule codes (kernels/ops.h); a cluster schedule computes its alone schedule's bits.
-SCHEDULES = {"cooperative": 1, "pingpong": 2, "cooperative_cluster": 3, "pingpong_cluster": 4}
-ALONE = {"cooperative_cluster": "cooperative", "pingpong_cluster": "pingpong"}
 
 
 def timed_median(fn, runs: int, warmup: int) -> float:
@@ -60,9 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--debug", action="store_true", help="build with -DFUSED_LOSSES_GEMM_DEBUG=1")
     parser.add_argument("--stats", action="store_true", help="also time row_stats (the fused product's statistics)")
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     args = parser.parse_args(argv)
-    schedules = {name: SCHEDULES[name] for name in args.schedules}
     if args.debug:
         os.environ["FUSED_LOSSES_NVCC_FLAGS"] = (os.environ.get("FUSED_LOSSES_NVCC_FLAGS", "") +
                                                 " -DFUSED_LOSSES_GEMM_DEBUG=1").strip()
@@ -76,8 +71,8 @@ def main(argv=None) -> int:
     ops = loader.load("linear_ce_gemm", dtype, arch="9.0a")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; "
           f"load (build on first use) {time.perf_counter() - started:.1f} s")
-    print(f"{'M x N x K':>22} {'schedule':>19} {'ours ms':>9} {'torch ms':>9} {'ours TF/s':>10} {'torch TF/s':>11} "
-          f"{'ratio':>6} {'bits':>5} {'err ours/torch':>15}")
+    print(f"{'M x N x K':>22} {'ours ms':>9} {'torch ms':>9} {'ours TF/s':>10} {'torch TF/s':>11} {'ratio':>6} "
+          f"{'bits':>5} {'err ours/torch':>15}")
     for shape in args.shapes:
         m, n, k = (int(part) for part in shape.lower().split("x"))
         a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -86,41 +81,26 @@ def main(argv=None) -> int:
         theirs = torch.empty(m, n, device="cuda", dtype=dtype)
         torch_ms = timed_median(lambda: torch.mm(a, b.T, out=theirs), args.runs, args.warmup)
         flop = 2 * m * n * k
-        outputs = {}
-        for name, code in schedules.items():
-            ops.gemm_nt(a, b, ours, 0, code)
-            first = ours.clone()
-            same_bits = all(torch.equal(ops.gemm_nt(a, b, ours, 0, code), first) for _ in range(2))
-            ours_ms = timed_median(lambda: ops.gemm_nt(a, b, ours, 0, code), args.runs, args.warmup)
-            our_error, their_error = slice_errors(ours, theirs, a, b)
-            print(f"{shape:>22} {name:>19} {ours_ms:9.3f} {torch_ms:9.3f} {flop / ours_ms / 1e9:10.1f} "
-                  f"{flop / torch_ms / 1e9:11.1f} {torch_ms / ours_ms:6.3f} {'same' if same_bits else 'DIFF':>5} "
-                  f"{our_error / their_error:15.3f}")
-            outputs[name] = first
-        # Clusters must not change a bit (the tests ask); whether m64n192k16 and m64n256k16 sum each element
-        # alike is informative only (not required).
-        for cluster, alone in ALONE.items():
-            if cluster in outputs and alone in outputs:
-                print(f"{'':>22} {cluster} bit-equal to {alone}: {torch.equal(outputs[cluster], outputs[alone])}")
-        if "cooperative" in outputs and "pingpong" in outputs:
-            print(f"{'':>22} cooperative and pingpong bit-equal (informative): "
-                  f"{torch.equal(outputs['cooperative'], outputs['pingpong'])}")
-        del outputs
+        first = ops.gemm_nt(a, b, ours, 0).clone()
+        same_bits = all(torch.equal(ops.gemm_nt(a, b, ours, 0), first) for _ in range(2))
+        del first
+        ours_ms = timed_median(lambda: ops.gemm_nt(a, b, ours, 0), args.runs, args.warmup)
+        our_error, their_error = slice_errors(ours, theirs, a, b)
+        print(f"{shape:>22} {ours_ms:9.3f} {torch_ms:9.3f} {flop / ours_ms / 1e9:10.1f} {flop / torch_ms / 1e9:11.1f} "
+              f"{torch_ms / ours_ms:6.3f} {'same' if same_bits else 'DIFF':>5} {our_error / their_error:15.3f}")
         if args.stats:  # the fused product's statistics (eval's log-probs and entropy at T 0.7) against ours today
-            import losses
-            import row_passes
-            target = torch.randint(0, n, (m,), device="cuda")
-            for name, code in schedules.items():
-                alone_ms = [timed_median(lambda: ops.row_stats(a, b, None, target, 0.0, 0.7, rows, 0, code), args.runs,
-                                         args.warmup) for rows in (6, 5)]
-                partials = ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code)
-                combine_ms = timed_median(lambda: ops.combine_row_stats(partials), args.runs, args.warmup)
-                fused = lambda: ops.combine_row_stats(ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code))
-                stats_ms = timed_median(fused, args.runs, args.warmup)
-                print(f"{'':>22} {name:>19} row_stats alone {alone_ms[0]:.3f} ms (5 rows: {alone_ms[1]:.3f}), "
-                      f"combine {combine_ms:.3f}, both {stats_ms:.3f} ({torch_ms / stats_ms:.3f} of torch.mm's speed)")
-                del partials
             import linear_cross_entropy
+            import losses
+            target = torch.randint(0, n, (m,), device="cuda")
+            alone_ms = [timed_median(lambda: ops.row_stats(a, b, None, target, 0.0, 0.7, rows, 0), args.runs,
+                                     args.warmup) for rows in (6, 5)]
+            partials = ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0)
+            combine_ms = timed_median(lambda: ops.combine_row_stats(partials), args.runs, args.warmup)
+            del partials
+            stats_ms = timed_median(lambda: ops.combine_row_stats(ops.row_stats(a, b, None, target, 0.0, 0.7, 6, 0)),
+                                    args.runs, args.warmup)
+            print(f"{'':>22} row_stats alone {alone_ms[0]:.3f} ms (5 rows: {alone_ms[1]:.3f}), combine {combine_ms:.3f}, "
+                  f"both {stats_ms:.3f} ({torch_ms / stats_ms:.3f} of torch.mm's speed)")
             chosen = linear_cross_entropy.fused_product
             eval_ms = {}
             for path, decide in (("fused product", chosen), ("cuBLAS + row passes", lambda *arguments: False)):
@@ -130,7 +110,8 @@ def main(argv=None) -> int:
                         a, b, target, temperature=0.7, return_entropy=True), args.runs, args.warmup)
             linear_cross_entropy.fused_product = chosen
             print(f"{'':>22} linear_log_probs eval (T 0.7, entropy): " +
-                  ", ".join(f"{path} {ms:.3f} ms" for path, ms in eval_ms.items()))
+                  ", ".join(f"{path} {ms:.3f} ms" for path, ms in eval_ms.items()) +
+                  f" (fused {eval_ms['cuBLAS + row passes'] / eval_ms['fused product']:.3f}x)")
         del a, b, ours, theirs
         torch.cuda.empty_cache()
     return 0

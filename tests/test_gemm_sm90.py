@@ -1,7 +1,6 @@
-"""linear_ce_gemm's gemm_nt and row_stats (kernels/gemm_sm90.cuh, scratch/gemm_plan.md): a @ b.T on
-sm_90a, against float64 of the same 2-byte inputs, and the same bits on every run and grid; each
-under every schedule (cooperative 128 x 256 tiles, pingpong 128 x 192, each alone or in clusters of 2
-blocks sharing B by multicast), named by the tests.
+"""linear_ce_gemm's gemm_nt and row_stats (kernels/gemm_sm90.cuh, notes/performance.md): a @ b.T on
+sm_90a (the pingpong schedule: 128 x 192 tiles, one consumer warpgroup each), against float64 of the
+same 2-byte inputs, and the same bits on every run and grid.
 
 Needs a compute capability 9.0 GPU (H100, H200): the kernel is sm_90a code, built with
 loader.load("linear_ce_gemm", dtype, arch="9.0a"). Elsewhere every test skips.
@@ -19,32 +18,22 @@ def _is_sm90() -> bool:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs a cc 9.0 GPU (sm_90a kernel)")]
 
 DTYPES = [torch.bfloat16, torch.float16]
-# The ops' schedule argument (kernels/ops.h, GemmScheduleCode): 0 is the launcher's choice.
-SCHEDULES = {"cooperative": 1, "pingpong": 2, "cooperative_cluster": 3, "pingpong_cluster": 4}
-ALONE = {3: 1, 4: 2}  # each cluster schedule's schedule alone: the same tiles, so the same bits
-TILE_COLUMNS = {1: 256, 2: 192, 3: 256, 4: 192}  # classes a tile of row_stats' partials covers
-schedules = pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
-cluster_schedules = pytest.mark.parametrize("schedule", list(ALONE), ids=[name for name, code in SCHEDULES.items()
-                                                                          if code in ALONE])
+TILE_COLUMNS = 192  # classes a tile of row_stats' partials covers (kernels/ops.h, kGemmRowStatsTileColumns)
 
-# (m, n, k), each hitting a regime of the tiles (128 x 256 cooperative, 128 x 192 pingpong; K
-# blocks of 64, 4 or 5 stages), the persistent grid and the clusters' pairs of M tiles (an odd
-# count: the last pair's second tile lies past M; N's last tile: its second half past N).
+# (m, n, k), each hitting a regime of the 128 x 192 tiles (K blocks of 64, 5 stages) or of the
+# persistent grid.
 SHAPES = [
-    (4096, 4096, 4096),      # square, 512 (704) tiles: ~4 (~5) waves of 132 blocks
-    (1024, 128256, 4096),    # Llama 3's head over 1024 rows: 8 x 501 (668) tiles, group of 8 M tiles
-    (1, 1000, 512),          # one row: A's 128-row box all but one row out of bounds (zeros); clusters:
-                             # every pair's second M tile past M
-    (127, 256, 64),          # one partial M tile, one (two) N tiles and one K block
-    (129, 257, 72),          # one row and one column past a tile, a partial K block; clusters: a pair whose
-                             # second M tile has one row, a last N tile whose second half of B lies past N
-    (128, 256, 64),          # exactly one cooperative tile; pingpong: one full and one partial
-    (128, 192, 64),          # exactly one pingpong tile; cooperative: a partial one
-    (300, 2000, 256),        # 3 x 8 (11) tiles: fewer than the multiprocessors; 4 K blocks < 5 stages;
-                             # clusters: 2 x 8 (11) pairs, the second row's second tile past M
-    (256, 255, 4104),        # N one short of a tile; K one 8-element step past 64 blocks
+    (4096, 4096, 4096),      # square, 704 tiles: ~5 waves of 132 blocks
+    (1024, 128256, 4096),    # Llama 3's head over 1024 rows: 8 x 668 tiles, group of 8 M tiles
+    (1, 1000, 512),          # one row: A's 128-row box all but one row out of bounds (zeros)
+    (127, 256, 64),          # one partial M tile, two N tiles (the second partial) and one K block
+    (129, 257, 72),          # one row past an M tile, a second N tile of 65 columns, a partial K block
+    (128, 256, 64),          # one full N tile and one partial
+    (128, 192, 64),          # exactly one tile
+    (300, 2000, 256),        # 3 x 11 tiles: fewer than the multiprocessors; 4 K blocks < 5 stages
+    (256, 255, 4104),        # N = 192 + 63 (two N tiles); K one 8-element step past 64 blocks
     (200, 50257, 8),         # GPT-2's vocabulary (ragged, rows not 16 B-aligned: 2 B stores); K = 8, one K
-                             # block a tile: pingpong's turns come faster than its stages
+                             # block a tile: the consumers' turns come faster than the stages
     (513, 1024, 4104),       # ragged M over several tiles, K ragged
 ]
 
@@ -74,9 +63,9 @@ def poisoned(m, n, dtype):
     return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
 
 
-def gemm(builds, a, b, max_blocks=0, schedule=0):
+def gemm(builds, a, b, max_blocks=0):
     out = poisoned(a.shape[0], b.shape[0], a.dtype)
-    result = builds[a.dtype].gemm_nt(a, b, out, max_blocks, schedule)
+    result = builds[a.dtype].gemm_nt(a, b, out, max_blocks)
     assert result.data_ptr() == out.data_ptr()
     return out
 
@@ -92,24 +81,22 @@ def assert_close_to_float64(ours, a, b):
     assert our_error <= 1.5 * their_error + eps, (our_error, their_error)
 
 
-@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_gemm_nt_matches_float64(builds, m, n, k, dtype, schedule):
+def test_gemm_nt_matches_float64(builds, m, n, k, dtype):
     a, b = random_operands(m, n, k, dtype)
-    assert_close_to_float64(gemm(builds, a, b, schedule=schedule), a, b)
+    assert_close_to_float64(gemm(builds, a, b), a, b)
 
 
-@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_operands_and_output(builds, dtype, schedule):
+def test_strided_operands_and_output(builds, dtype):
     """Row strides above k for both operands (views of wider tensors) and an output with row
     stride above n: the tensor maps' strides and the epilogue's ldc."""
     m, n, k = 300, 700, 520
     a, b = random_operands(m, n, k, dtype, a_stride=k + 64, b_stride=k + 8)
     wide = torch.full((m, n + 24), float("nan"), device="cuda", dtype=dtype)
     out = wide[:, :n]
-    builds[dtype].gemm_nt(a, b, out, 0, schedule)
+    builds[dtype].gemm_nt(a, b, out, 0)
     assert_close_to_float64(out, a, b)
     assert wide[:, n:].isnan().all(), "wrote past the output's columns"
 
@@ -117,84 +104,48 @@ def test_strided_operands_and_output(builds, dtype, schedule):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_new_output_when_none_given(builds, dtype):
     a, b = random_operands(130, 300, 64, dtype)
-    ours = builds[dtype].gemm_nt(a, b, None, 0, 0)
+    ours = builds[dtype].gemm_nt(a, b, None, 0)
     assert ours.shape == (130, 300) and ours.is_contiguous()
     assert_close_to_float64(ours, a, b)
 
 
-@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (513, 50257, 264), (1024, 128256, 1024), (513, 20000, 72)])
-def test_same_bits_every_run_and_grid(builds, m, n, k, dtype, schedule):
-    """Three runs, then grids of 66, 7 and 1 blocks: each tile's K order is fixed and one block (one
-    consumer, pingpong) owns it, so which block runs it, or when, changes no bit. Pingpong at 7 and 1
-    blocks: a long alternation of turns, odd and even tile counts; K = 72: 2 K blocks < 5 stages.
-    Clusters of 2: the launcher rounds 7 and 1 down to whole clusters, 6 and 2 blocks (3 and 1
-    clusters); 513 rows: 5 M tiles, the last pair's second past M."""
+def test_same_bits_every_run_and_grid(builds, m, n, k, dtype):
+    """Three runs, then grids of 66, 7 and 1 blocks: each tile's K order is fixed and one consumer of
+    one block owns it, so which block runs it, or when, changes no bit. At 7 and 1 blocks: a long
+    alternation of turns, odd and even tile counts; K = 72: 2 K blocks < 5 stages."""
     a, b = random_operands(m, n, k, dtype)
-    first = gemm(builds, a, b, schedule=schedule)
+    first = gemm(builds, a, b)
     for max_blocks in (0, 0, 66, 7, 1):
-        assert torch.equal(gemm(builds, a, b, max_blocks, schedule), first), max_blocks
+        assert torch.equal(gemm(builds, a, b, max_blocks), first), max_blocks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_and_zero_k(builds, dtype):
     ops = builds[dtype]
-    assert ops.gemm_nt(*random_operands(0, 5, 8, dtype), None, 0, 0).shape == (0, 5)
-    assert ops.gemm_nt(*random_operands(5, 0, 8, dtype), None, 0, 0).shape == (5, 0)
+    assert ops.gemm_nt(*random_operands(0, 5, 8, dtype), None, 0).shape == (0, 5)
+    assert ops.gemm_nt(*random_operands(5, 0, 8, dtype), None, 0).shape == (5, 0)
     a, b = random_operands(5, 6, 0, dtype)
-    assert torch.equal(ops.gemm_nt(a, b, poisoned(5, 6, dtype), 0, 0), torch.zeros(5, 6, device="cuda", dtype=dtype))
+    assert torch.equal(ops.gemm_nt(a, b, poisoned(5, 6, dtype), 0), torch.zeros(5, 6, device="cuda", dtype=dtype))
 
 
 def test_refuses_what_the_copy_engine_cannot_read(builds):
     ops = builds[torch.bfloat16]
     a, b = random_operands(64, 64, 12, torch.bfloat16)  # 24 B rows: not a multiple of 16 B
     with pytest.raises(ValueError, match="multiples of 8"):
-        ops.gemm_nt(a, b, None, 0, 0)
+        ops.gemm_nt(a, b, None, 0)
     a, b = random_operands(64, 64, 64, torch.bfloat16, a_stride=68)  # row stride 136 B
     with pytest.raises(ValueError, match="multiples of 8"):
-        ops.gemm_nt(a, b, None, 0, 0)
+        ops.gemm_nt(a, b, None, 0)
     with pytest.raises(ValueError, match="bfloat16 or both float16"):
-        ops.gemm_nt(a.float(), b.float(), None, 0, 0)
+        ops.gemm_nt(a.float(), b.float(), None, 0)
     with pytest.raises(ValueError, match="both bfloat16 or both float16"):
-        ops.gemm_nt(a, b.half(), None, 0, 0)
-    a, b = random_operands(64, 64, 64, torch.bfloat16)
-    for schedule in (-1, 5):
-        with pytest.raises(ValueError, match="schedule must be 0"):
-            ops.gemm_nt(a, b, None, 0, schedule)
-
-
-@cluster_schedules
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k,max_blocks", [
-    (513, 50257, 264, 0),    # 5 M tiles (the last pair's second past M), N's last tile ragged
-    (1, 1000, 512, 0),       # every pair's second M tile past M
-    (129, 257, 72, 0),       # a one-row second M tile; the last N tile's second half of B past N
-    (1024, 128256, 1024, 7), # Llama 3's head over 1024 rows on 3 clusters: long lock-step runs
-    (4096, 4096, 4096, 0),   # square, every pair whole
-])
-def test_clusters_change_no_bit(builds, m, n, k, max_blocks, dtype, schedule):
-    """A cluster schedule computes each tile as its schedule alone does (the same tiles, wgmmas and K
-    order; only who copies B differs): the same bits, gemm_nt's and row_stats'. A half of B landing in
-    the wrong block or place, or a stage refilled before both blocks read it, changes them."""
-    a, b = random_operands(m, n, k, dtype)
-    assert torch.equal(gemm(builds, a, b, max_blocks, schedule), gemm(builds, a, b, max_blocks, ALONE[schedule]))
-    target = targets(m, n)
-    ours, alone = (builds[dtype].row_stats(a, b, None, target, 30.0, 0.7, 6, max_blocks, code)
-                   for code in (schedule, ALONE[schedule]))
-    assert torch.equal(ours, alone)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_launchers_choice_is_a_schedule(builds, dtype):
-    """Schedule 0 runs one of the two (linear_ce_gemm.cu's kStoreProductSchedule): the same bits."""
-    a, b = random_operands(300, 2000, 264, dtype)
-    default = gemm(builds, a, b)
-    assert any(torch.equal(default, gemm(builds, a, b, schedule=code)) for code in SCHEDULES.values())
+        ops.gemm_nt(a, b.half(), None, 0)
 
 
 # ---------------------------------------------------------------------------------
-# row_stats: the fused product's epilogue, each row's statistics over each 256-class tile (the row
+# row_stats: the fused product's epilogue, each row's statistics over each 192-class tile (the row
 # passes' rows), combined by row_passes.combine_tiles.
 
 def row_pass_stats(logits, target, softcap, temperature, stat_rows):
@@ -211,22 +162,21 @@ def targets(m, n, int32=False):
     return target.int() if int32 else target
 
 
-@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(300, 50257, 264), (129, 1000, 72), (1024, 128256, 512), (1, 300, 8)])
 @pytest.mark.parametrize("stat_rows", [5, 6])
 @pytest.mark.parametrize("softcap,temperature", [(0.0, 1.0), (0.0, 0.7), (30.0, 0.7)])
-def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softcap, temperature, schedule):
-    """Random operands, no bias: the epilogue's logits are gemm_nt's under the same schedule (the same sums
-    rounded alike), so the statistics are the row passes' over gemm_nt's output: max and target exactly,
-    the sums to float32's rounding (a tile's sum then the tiles', against the row passes' lanes)."""
+def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softcap, temperature):
+    """Random operands, no bias: the epilogue's logits are gemm_nt's (the same sums rounded alike), so the
+    statistics are the row passes' over gemm_nt's output: max and target exactly, the sums to float32's
+    rounding (a tile's sum then the tiles', against the row passes' lanes)."""
     import row_passes
     a, b = random_operands(m, n, k, dtype)
     target = targets(m, n, int32=m == 300)
-    partials = builds[dtype].row_stats(a, b, None, target, softcap, temperature, stat_rows, 0, schedule)
-    assert partials.shape == (-(-n // TILE_COLUMNS[schedule]), stat_rows, m)
+    partials = builds[dtype].row_stats(a, b, None, target, softcap, temperature, stat_rows, 0)
+    assert partials.shape == (-(-n // TILE_COLUMNS), stat_rows, m)
     ours = row_passes.combine_tiles(partials)
-    theirs = row_pass_stats(gemm(builds, a, b, schedule=schedule), target, softcap, temperature, stat_rows)
+    theirs = row_pass_stats(gemm(builds, a, b), target, softcap, temperature, stat_rows)
     assert ours.shape == theirs.shape == (stat_rows, m)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
     for row in (1, 3, 4, 5)[:stat_rows - 2]:
@@ -234,10 +184,9 @@ def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softc
         assert (ours[row] - theirs[row]).abs().max() <= 2e-6 * scale * max(1, n / 4096), row
 
 
-@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias, schedule):
+def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
     """Operands and bias on a grid of 1/4 (every logit exact in float32 and in the 2-byte dtype, whatever
     the order of the sums), masked classes (-inf bias, a masked target among them), N ragged: the
     statistics equal the row passes' over F.linear's logits."""
@@ -253,8 +202,7 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias, schedul
         target[3] = 150  # a masked target: its u is -inf, as the row passes keep it
     logits = torch.nn.functional.linear(a, b, bias_)
     for stat_rows in (5, 6):
-        ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0,
-                                                                schedule))
+        ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0))
         theirs = row_pass_stats(logits, target, 0.0, 0.7, stat_rows)
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
         for row in range(1, stat_rows):  # sums in another order: float32's rounding of the largest term's size
@@ -263,29 +211,17 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias, schedul
             torch.testing.assert_close(ours[row], theirs[row], rtol=0, atol=4e-6 * scale, msg=f"row {row}")
 
 
-@schedules
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_stats_same_bits_every_run_and_grid(builds, dtype, schedule):
-    """As gemm_nt's: grids of 66, 7 and 1 blocks (clusters: 66, 6 and 2); 5 tiles of M, so a pingpong
-    block's consumers own tiles of both epilogue halves' rows masked and not (clusters: a ghost too)."""
+def test_row_stats_same_bits_every_run_and_grid(builds, dtype):
+    """As gemm_nt's: grids of 66, 7 and 1 blocks; 5 tiles of M, so a block's consumers own tiles of both
+    epilogue halves' rows masked and not."""
     import row_passes
     a, b = random_operands(513, 50257, 264, dtype)
     target = targets(513, 50257)
-    first = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0, schedule)
+    first = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0)
     for max_blocks in (0, 66, 7, 1):
-        assert torch.equal(builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, max_blocks, schedule), first)
+        assert torch.equal(builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, max_blocks), first)
     assert row_passes.combine_tiles(first).isfinite().all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_row_stats_launchers_choice_is_a_schedule(builds, dtype):
-    """Schedule 0 runs one of the two (linear_ce_gemm.cu's kStatsProductSchedule): its tile width and bits."""
-    a, b = random_operands(300, 2000, 264, dtype)
-    target = targets(300, 2000)
-    default = builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0, 0)
-    assert any(default.shape[0] == -(-2000 // TILE_COLUMNS[code]) and
-               torch.equal(default, builds[dtype].row_stats(a, b, None, target, 0.0, 0.7, 6, 0, code))
-               for code in SCHEDULES.values())
 
 
 def test_row_stats_refuses_bad_arguments(builds):
@@ -293,17 +229,13 @@ def test_row_stats_refuses_bad_arguments(builds):
     a, b = random_operands(64, 300, 64, torch.bfloat16)
     target = targets(64, 300)
     with pytest.raises(ValueError, match="stat_rows must be 5 or 6"):
-        ops.row_stats(a, b, None, target, 0.0, 1.0, 4, 0, 0)
+        ops.row_stats(a, b, None, target, 0.0, 1.0, 4, 0)
     with pytest.raises(ValueError, match="target must be"):
-        ops.row_stats(a, b, None, target[:10], 0.0, 1.0, 5, 0, 0)
+        ops.row_stats(a, b, None, target[:10], 0.0, 1.0, 5, 0)
     with pytest.raises(ValueError, match="bias must be"):
-        ops.row_stats(a, b, torch.zeros(299, device="cuda", dtype=torch.bfloat16), target, 0.0, 1.0, 5, 0, 0)
+        ops.row_stats(a, b, torch.zeros(299, device="cuda", dtype=torch.bfloat16), target, 0.0, 1.0, 5, 0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0, 0)
-    with pytest.raises(ValueError, match="schedule must be 0"):
-        ops.row_stats(a, b, None, target, 0.0, 1.0, 5, 0, 7)
-    with pytest.raises(ValueError, match="schedule must be 0"):
-        ops.row_stats(a, b, None, target, 0.0, 1.0, 5, 0, 5)
+        ops.row_stats(a, b, None, target, 0.0, 0.0, 5, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -345,7 +277,7 @@ def test_combine_row_stats_is_combine_tiles(builds, stat_rows):
     bias[:1024] = float("-inf")  # whole tiles masked
     a[7, 3] = float("nan")
     target = targets(300, 50257)
-    partials = builds[torch.bfloat16].row_stats(a, b, bias, target, 0.0, 0.7, stat_rows, 0, 0)
+    partials = builds[torch.bfloat16].row_stats(a, b, bias, target, 0.0, 0.7, stat_rows, 0)
     ours = builds[torch.bfloat16].combine_row_stats(partials)
     theirs = row_passes.combine_tiles(partials)
     assert ours[1, 7].isnan() and theirs[1, 7].isnan()  # a NaN logit lives on in the sums, as the row passes'
