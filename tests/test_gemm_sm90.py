@@ -156,6 +156,15 @@ def row_pass_stats(logits, target, softcap, temperature, stat_rows):
     return stats
 
 
+def logit_sum_scale(logits, softcap, temperature):
+    """Each row's sum_c |u_c| (u = softcap(z) / T in float32, masked classes' -inf left out), at least 1: the
+    scale of float32's rounding in stat row 3, sum_c u_c, whose signed terms ours and the row passes' add in
+    another order (its partial sums may be far larger than |sum_c u_c|)."""
+    import row_passes
+    u = row_passes._scaled(logits.float(), softcap, temperature)
+    return torch.where(u.isfinite(), u.abs(), 0.0).sum(1).clamp_min(1.0)
+
+
 def targets(m, n, int32=False):
     target = torch.randint(0, n, (m,), device="cuda")
     target[::5] = -100
@@ -169,19 +178,21 @@ def targets(m, n, int32=False):
 def test_row_stats_match_the_row_passes(builds, m, n, k, dtype, stat_rows, softcap, temperature):
     """Random operands, no bias: the epilogue's logits are gemm_nt's (the same sums rounded alike), so the
     statistics are the row passes' over gemm_nt's output: max and target exactly, the sums to float32's
-    rounding (a tile's sum then the tiles', against the row passes' lanes)."""
+    rounding (a tile's sum then the tiles', against the row passes' lanes). Rows 1, 4, 5 sum terms of one
+    sign: on the scale of the largest result; row 3 (sum u) signed terms: on each row's sum |u|."""
     import row_passes
     a, b = random_operands(m, n, k, dtype)
     target = targets(m, n, int32=m == 300)
     partials = builds[dtype].row_stats(a, b, None, target, softcap, temperature, stat_rows, 0)
     assert partials.shape == (-(-n // TILE_COLUMNS), stat_rows, m)
     ours = row_passes.combine_tiles(partials)
-    theirs = row_pass_stats(gemm(builds, a, b), target, softcap, temperature, stat_rows)
+    logits = gemm(builds, a, b)
+    theirs = row_pass_stats(logits, target, softcap, temperature, stat_rows)
     assert ours.shape == theirs.shape == (stat_rows, m)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
     for row in (1, 3, 4, 5)[:stat_rows - 2]:
-        scale = theirs[row].abs().max().clamp_min(1.0)
-        assert (ours[row] - theirs[row]).abs().max() <= 2e-6 * scale * max(1, n / 4096), row
+        scale = logit_sum_scale(logits, softcap, temperature) if row == 3 else theirs[row].abs().max().clamp_min(1.0)
+        assert ((ours[row] - theirs[row]).abs() <= 2e-6 * scale * max(1, n / 4096)).all(), row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -205,10 +216,14 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
         ours = row_passes.combine_tiles(builds[dtype].row_stats(a, b, bias_, target, 0.0, 0.7, stat_rows, 0))
         theirs = row_pass_stats(logits, target, 0.0, 0.7, stat_rows)
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
-        for row in range(1, stat_rows):  # sums in another order: float32's rounding of the largest term's size
+        # Sums in another order: float32's rounding, of the largest result's size for sums of one sign, of each
+        # row's sum |u| for row 3's signed terms (u = z / 0.7 is rounded, and so are the partial sums).
+        for row in (1, 4, 5)[:stat_rows - 3]:
             finite = theirs[row][theirs[row].isfinite()]
             scale = finite.abs().max().clamp_min(1.0) if finite.numel() else 1.0
             torch.testing.assert_close(ours[row], theirs[row], rtol=0, atol=4e-6 * scale, msg=f"row {row}")
+        close = (ours[3] - theirs[3]).abs() <= 4e-6 * logit_sum_scale(logits, 0.0, 0.7)
+        assert (close | (ours[3] == theirs[3])).all(), "row 3"  # == : the masked rows' -inf
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
