@@ -165,6 +165,16 @@ def logit_sum_scale(logits, softcap, temperature):
     return torch.where(u.isfinite(), u.abs(), 0.0).sum(1).clamp_min(1.0)
 
 
+def exact_operands(m, n, k, dtype, seed, bias=False):
+    """a (m, k), b (n, k) and a bias (n,) or None on a grid of 1/4 from a seeded generator: every logit exact in
+    float32 and in the 2-byte dtype, whatever the order of the sums."""
+    generator = torch.Generator().manual_seed(seed)
+    a = (torch.randint(-3, 4, (m, k), generator=generator) / 4).to(dtype).cuda()
+    b = (torch.randint(-3, 4, (n, k), generator=generator) / 4).to(dtype).cuda()
+    bias_ = (torch.randint(-8, 9, (n,), generator=generator) / 4).to(dtype).cuda() if bias else None
+    return a, b, bias_
+
+
 def targets(m, n, int32=False):
     target = torch.randint(0, n, (m,), device="cuda")
     target[::5] = -100
@@ -203,10 +213,7 @@ def test_row_stats_exact_logits_with_bias_and_masks(builds, dtype, bias):
     statistics equal the row passes' over F.linear's logits."""
     import row_passes
     m, n, k = 260, 1037, 24
-    generator = torch.Generator().manual_seed(7)
-    a = (torch.randint(-3, 4, (m, k), generator=generator) / 4).to(dtype).cuda()
-    b = (torch.randint(-3, 4, (n, k), generator=generator) / 4).to(dtype).cuda()
-    bias_ = (torch.randint(-8, 9, (n,), generator=generator) / 4).to(dtype).cuda() if bias else None
+    a, b, bias_ = exact_operands(m, n, k, dtype, 7, bias)
     target = targets(m, n)
     if bias:
         bias_[100:300] = float("-inf")
@@ -262,10 +269,7 @@ def test_linear_losses_through_the_fused_product(builds, dtype, softcap, bias, m
     import linear_cross_entropy
     import losses
     m, n, k = 700, 50257, 24
-    generator = torch.Generator().manual_seed(9)
-    x = (torch.randint(-3, 4, (m, k), generator=generator) / 4).to(dtype).cuda()
-    w = (torch.randint(-3, 4, (n, k), generator=generator) / 4).to(dtype).cuda()
-    b = (torch.randint(-8, 9, (n,), generator=generator) / 4).to(dtype).cuda() if bias else None
+    x, w, b = exact_operands(m, n, k, dtype, 9, bias)
     target = targets(m, n)
     assert linear_cross_entropy.fused_product(x, w, b)
 
@@ -305,9 +309,7 @@ def test_fused_statistics_of_a_vocabulary_shard(builds, monkeypatch):
     """fold_linear on a shard of the classes (start > 0: targets are global, those outside the shard match
     none of its columns) gives the cuBLAS chunks' statistics; operands on a grid of 1/4 (exact logits)."""
     import linear_cross_entropy
-    generator = torch.Generator().manual_seed(13)
-    x = (torch.randint(-3, 4, (300, 24), generator=generator) / 4).bfloat16().cuda()
-    w = (torch.randint(-3, 4, (5000, 24), generator=generator) / 4).bfloat16().cuda()
+    x, w, _ = exact_operands(300, 5000, 24, torch.bfloat16, 13)
     target = targets(300, 5000)
     start = 1000
     assert linear_cross_entropy.fused_product(x, w[start:], None)
