@@ -143,11 +143,34 @@ def _counts(target, ignore_index: int, divisor):
     return (target != ignore_index).sum() if divisor is None else divisor
 
 
+def fused_product(x, weight, bias) -> bool:
+    """The one choice of how the statistics are made: by our sm_90a product with the row passes in its
+    epilogue (linear_ce_gemm's row_stats: no logits in memory), or by cuBLAS chunks and the row passes.
+    The fused product takes a cc 9.0 GPU and a CUDA 12+ torch (loader.BUILDS_SM90A), 2-byte operands of one
+    dtype (bias too), rows the copy engine reads (contiguous along H, H and the row strides multiples of 8,
+    rows apart, 16 B-aligned; < 2^31 rows), outside torch.compile."""
+    if not (x.is_cuda and x.dtype in helpers.LOW_PRECISION and weight.dtype == x.dtype and x.numel() and weight.numel()
+            and (bias is None or bias.dtype == x.dtype) and not helpers.is_compiling()):
+        return False
+    if not helpers.loader.BUILDS_SM90A or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.stride(0) >= t.shape[1] and t.shape[0] < 2**31
+               and t.data_ptr() % 16 == 0 for t in (x, weight)) and \
+        x.shape[1] % 8 == 0
+
+
 def fold_linear(x, weight, bias, target, start: int, softcap: float, temperature: float = 1.0,
                 stat_rows: int = row_passes.STAT_ROWS):
     """The statistics of F.linear(x, weight, bias)'s rows, classes [start, start + V) of weight's V
-    rows (start > 0: a shard of a larger vocabulary), a chunk of classes at a time."""
+    rows (start > 0: a shard of a larger vocabulary): from the fused product where fused_product says
+    so, else a chunk of classes at a time."""
     rows, local = x.shape[0], weight.shape[0]
+    if fused_product(x, weight, bias):
+        ops = helpers.kernel_ops("linear_ce_gemm", x)
+        local_target = target - start if start else target
+        partials = ops.row_stats(x, weight, None if bias is None else bias.contiguous(), local_target, float(softcap),
+                                 float(temperature), stat_rows, 0)  # the launcher's grid
+        return ops.combine_row_stats(partials)  # row_passes.combine_tiles' arithmetic, one kernel
     stats = row_passes.new_stats(rows, x.dtype, x.device, stat_rows)
     for first, w, b in _chunks(weight, bias, chunk_width(rows, local, x.element_size())):
         row_passes.fold_stats(F.linear(x, w, b), target, start + first, start + local, stats, softcap,

@@ -46,10 +46,18 @@ else:  # a plain folder on sys.path, or `python loader.py`
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNELS = ("cross_entropy", "kl_div", "mse", "row_passes")
+# Built only when asked for by name, for arch "9.0a" (their wgmma code runs on cc 9.0 only;
+# other archs build a launcher that refuses): the sm_90a product (notes/performance.md).
+SM90A_KERNELS = ("linear_ce_gemm",)
+# sm_90a takes nvcc 12.0 or later; the toolkit a build uses has torch's CUDA major version.
+BUILDS_SM90A = torch.version.cuda is not None and int(torch.version.cuda.split(".")[0]) >= 12
 # The dtypes a build can hold, by name, with kernels/ops.h's DType codes.
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 EXTRA_CFLAGS = ["-O3"]
 EXTRA_CUDA_CFLAGS = ["-O3", "-lineinfo"]
+# More nvcc flags for every build, space-separated, part of the cache key: e.g.
+# "-Xptxas -v" (registers and spills, shown with verbose=True) or "-DFUSED_LOSSES_GEMM_DEBUG=1".
+NVCC_FLAGS_ENV = "FUSED_LOSSES_NVCC_FLAGS"
 BUILD_OK = "BUILD_OK"  # marker written after a build finished and loaded
 
 _loaded: dict[tuple[str, str, str], object] = {}  # (kernel name, dtype, arch) -> the build's module
@@ -117,7 +125,7 @@ def kernel_sources(name: str) -> dict[str, str]:
     either includes (recursively), by path relative to kernels/ ("cross_entropy/row_math.cuh")."""
     path = KERNEL_DIR / f"{name}.cu"
     if not path.is_file():
-        raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS)})")
+        raise ValueError(f"no kernel named {name!r}: expected {path} (kernels: {', '.join(KERNELS + SM90A_KERNELS)})")
     sources = {"main.cpp": bindings(name)}
     pending = [path, *_included_headers(sources["main.cpp"])]
     while pending:
@@ -165,6 +173,11 @@ def device_arch(device: torch.device | int | None = None) -> str:
 def gencode_flag(arch: str) -> str:
     digits = arch.replace(".", "")
     return f"-gencode=arch=compute_{digits},code=sm_{digits}"
+
+
+def env_cuda_cflags() -> list[str]:
+    """$FUSED_LOSSES_NVCC_FLAGS, split: added to every build's nvcc flags and to its cache key."""
+    return os.environ.get(NVCC_FLAGS_ENV, "").split()
 
 
 def cache_key(sources: dict[str, str], arch: str, dtype: str = "float32", cflags=EXTRA_CFLAGS,
@@ -428,7 +441,8 @@ def _build(name: str, dtype: str, arch: str, ext_name: str, build_dir: Path, sou
             cpp_sources=[sources["main.cpp"]],
             cuda_sources=[sources[f"{name}.cu"]],
             extra_cflags=EXTRA_CFLAGS,
-            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + _nvcc_flags + [gencode_flag(arch), f"-DFUSED_LOSSES_DTYPE={DTYPES[dtype]}"],
+            extra_cuda_cflags=EXTRA_CUDA_CFLAGS + env_cuda_cflags() + _nvcc_flags
+            + [gencode_flag(arch), f"-DFUSED_LOSSES_DTYPE={DTYPES[dtype]}"],
             extra_include_paths=[str(KERNEL_DIR)],
             extra_ldflags=list(_extra_ldflags),
             build_directory=str(build_dir),
@@ -457,7 +471,8 @@ def _build(name: str, dtype: str, arch: str, ext_name: str, build_dir: Path, sou
 def _open_build(name: str, dtype: str, arch: str, verbose: bool = False):
     """Imports the build of `name` for `dtype` and `arch`, building it first if needed."""
     sources = kernel_sources(name)
-    ext_name = extension_name(name, dtype, arch, cache_key(sources, arch, dtype))
+    ext_name = extension_name(name, dtype, arch,
+                              cache_key(sources, arch, dtype, cuda_cflags=EXTRA_CUDA_CFLAGS + env_cuda_cflags()))
     if ext_name in _loaded_extensions:
         return _loaded_extensions[ext_name]
     root = cache_root()
@@ -510,7 +525,8 @@ def load_for_device(name: str, device: torch.device, dtype: torch.dtype):
     """load(name, dtype) for the arch of a CUDA device; the hot path of every loss call."""
     ops = _loaded_for_device.get((name, device.index, dtype))
     if ops is None:
-        ops = _loaded_for_device[(name, device.index, dtype)] = load(name, dtype, device_arch(device))
+        arch = device_arch(device) + ("a" if name in SM90A_KERNELS else "")  # their wgmma code: sm_90a
+        ops = _loaded_for_device[(name, device.index, dtype)] = load(name, dtype, arch)
     return ops
 
 
@@ -537,7 +553,8 @@ def build(archs, names=KERNELS, dtypes=tuple(DTYPES), verbose: bool = False) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Build the fused loss kernels ahead of time (no GPU needed).")
     parser.add_argument("--arch", nargs="+", required=True, help="GPU archs, e.g. 8.0 9.0")
-    parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=KERNELS + SM90A_KERNELS,
+                        help=f"default: {' '.join(KERNELS)}; {' '.join(SM90A_KERNELS)} only when named (arch 9.0a)")
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = parser.parse_args(argv)

@@ -73,6 +73,15 @@ KERNEL_OPS = {
                      "Tensor? class_count, Tensor softmax_stats, Tensor row_scale, float label_smoothing, "
                      "float z_loss, float softcap, float temperature, Tensor? entropy_scale) -> ()"),
     },
+    # sm_90a only (loader.SM90A_KERNELS), for the tests and the benchmark: a @ b.T, 2-byte
+    # operands, into out when given (returned); max_blocks > 0 caps the persistent grid, 0: one
+    # block a multiprocessor.
+    "linear_ce_gemm": {
+        "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks) -> Tensor",
+        "row_stats": ("(Tensor a, Tensor b, Tensor? bias, Tensor target, float softcap, float temperature, "
+                      "int stat_rows, int max_blocks) -> Tensor"),
+        "combine_row_stats": "(Tensor partials) -> Tensor",
+    },
 }
 
 # What the build binds beyond KERNEL_OPS, with its schema (None: bound without argument names):
@@ -81,7 +90,7 @@ EXTRA_BINDINGS = {"cross_entropy": {"cross_entropy_path": KERNEL_OPS["cross_entr
                                     "force_cross_entropy_path": None}}
 
 _CPP_TYPES = {"Tensor": "const at::Tensor&", "Tensor?": "const c10::optional<at::Tensor>&", "Tensor(a!)": "at::Tensor",
-              "Tensor(b!)": "at::Tensor",
+              "Tensor(b!)": "at::Tensor", "Tensor(a!)?": "const c10::optional<at::Tensor>&",
               "int": "int64_t", "float": "double", "bool": "bool"}
 
 

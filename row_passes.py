@@ -110,6 +110,29 @@ def combine(stats, classes: int, shards):
     return (stats, classes) if shards is None else shards.combine(stats)
 
 
+def sums_at(stats, row_max):
+    """stats[1:] moved onto row_max (each row's max over the parts, >= stats[0]): the exp sums scaled,
+    the entropy's sum also shifted (sum e (u - max) moves with the max: + (max - row_max) sum e). Summed
+    over the parts (vocabulary shards, the fused product's tiles: stats (rows..., parts, rows)) they are
+    the whole row's; the target's terms only its part holds (0 elsewhere)."""
+    to_max = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
+    sums = stats[1:].clone()
+    sums[0] *= to_max
+    sums[3] *= to_max
+    if len(stats) == ENTROPY_STAT_ROWS:
+        moved = torch.where(stats[1] == 0, 0.0, (stats[0] - row_max) * stats[1])
+        sums[4] = (sums[4] + moved) * to_max
+    return sums
+
+
+def combine_tiles(partials):
+    """(stat_rows, rows) statistics from the fused product's (tiles, stat_rows, rows) (linear_ce_gemm's
+    row_stats): the tiles combined as shards are."""
+    stats = partials.transpose(0, 1)
+    row_max = stats[0].amax(0)
+    return torch.cat([row_max[None], sums_at(stats, row_max).sum(1)])
+
+
 def lse_of(softmax_stats):
     return softmax_stats[0] + softmax_stats[1]
 

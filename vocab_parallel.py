@@ -195,15 +195,8 @@ class Shards:
         # All-reduce 1 (MAX): the row maxima.
         row_max = stats[0].clone()
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
-        to_global = torch.where(stats[0] == row_max, 1.0, torch.exp(stats[0] - row_max))
-        # All-reduce 2 (SUM): the other rows, the exp sums (rows 1 and 4) taken to the global max;
-        # the target's terms only its owner holds (0 elsewhere).
-        sums = stats[1:].clone()
-        sums[0] *= to_global
-        sums[3] *= to_global
-        if len(stats) == row_passes.ENTROPY_STAT_ROWS:  # sum e (u - max) moves with the max: + (max - global) sum e
-            moved = torch.where(stats[1] == 0, 0.0, (stats[0] - row_max) * stats[1])
-            sums[4] = (sums[4] + moved) * to_global
+        # All-reduce 2 (SUM): the other rows taken to the global max (row_passes.sums_at).
+        sums = row_passes.sums_at(stats, row_max)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         # A layout that is not valid (on a GPU, another rank's changed since this rank checked): NaN.
         sums[0] = torch.where(self.valid, sums[0], torch.nan)

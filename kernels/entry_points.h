@@ -553,4 +553,114 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
   run_kernels([&] { logit_chunk_gradient_launch(call, context.launch()); });
 }
 
+// ---------------------------------------------------------------------------------
+// linear_ce_gemm (sm_90a only). Checks with literal messages (a formatted one crashed one
+// toolchain's process instead of raising: notes, v54).
+inline GemmCall gemm_call(const at::Tensor& a, const at::Tensor& b, int64_t max_blocks) {
+  TORCH_CHECK(a.is_cuda() && a.dim() == 2 && b.dim() == 2 && b.device() == a.device() && a.size(1) == b.size(1),
+              "linear_ce_gemm: a (m, k) and b (n, k) must be 2-D CUDA tensors on one device with the same k");
+  TORCH_CHECK_VALUE((a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf) &&
+                        b.scalar_type() == a.scalar_type(),
+                    "linear_ce_gemm: a and b must be both bfloat16 or both float16");
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  // A single row's stride is never stepped: any value a 16 B-aligned copy accepts will do.
+  const int64_t lda = m == 1 ? k : a.stride(0), ldb = n == 1 ? k : b.stride(0);
+  TORCH_CHECK_VALUE((k == 0 || a.stride(1) == 1 || m == 0) && (k == 0 || b.stride(1) == 1 || n == 0),
+                    "linear_ce_gemm: a and b must be contiguous along k");
+  TORCH_CHECK_VALUE(k == 0 || m == 0 || n == 0 ||
+                        (k % 8 == 0 && lda % 8 == 0 && ldb % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0),
+                    "linear_ce_gemm: k and the row strides must be multiples of 8 and a, b 16 B-aligned (the copy "
+                    "engine moves 16 B-aligned rows)");
+  GemmCall call{};
+  call.dtype = dtype_of(a);
+  call.m = m;
+  call.n = n;
+  call.k = k;
+  call.a = a.data_ptr();
+  call.lda = lda;
+  call.b = b.data_ptr();
+  call.ldb = ldb;
+  call.max_blocks = max_blocks;
+  return call;
+}
+
+// a @ b.T for 2-byte a (m, k) and b (n, k) with K contiguous (row strides may exceed k), into
+// `out` ((m, n), columns contiguous, rows at any stride; returned) or else a new contiguous (m, n)
+// tensor. max_blocks > 0 caps the persistent grid (tests); 0: one block a multiprocessor.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_PARAMS) {
+  GemmCall call = gemm_call(a, b, max_blocks);
+  at::Tensor c;
+  if (out.has_value() && out->defined()) {
+    c = *out;
+    TORCH_CHECK_VALUE(c.dim() == 2 && c.size(0) == call.m && c.size(1) == call.n &&
+                          c.scalar_type() == a.scalar_type() && c.device() == a.device() &&
+                          (c.stride(1) == 1 || call.n <= 1) && (c.stride(0) >= call.n || call.m <= 1),
+                      "gemm_nt: out must be (m, n) of a's dtype and device, contiguous along n");
+  } else {
+    c = at::empty({call.m, call.n}, a.options());
+  }
+  if (call.m == 0 || call.n == 0) return c;
+  if (call.k == 0) return c.zero_();
+  CallContext context(a);
+  call.c = c.data_ptr();
+  call.ldc = call.m == 1 ? call.n : c.stride(0);
+  run_kernels([&] { gemm_nt_launch(call, context.launch()); });
+  return c;
+}
+
+// The fused product's statistics (gemm_sm90.cuh's GemmRowStats): for the logits a @ b.T (+ bias)
+// at softcap and temperature, each row's statistics over each tile of 192 classes (ops.h's
+// kGemmRowStatsTileColumns), (tiles, stat_rows, m) float32, stat_rows 5 or 6 (row_passes' rows;
+// the tiles combined by the caller). target (m,) int64 or int32 class indices
+// (others, e.g. -100, match no class); bias (n,) of a's dtype or None.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_PARAMS) {
+  GemmCall call = gemm_call(a, b, max_blocks);
+  TORCH_CHECK_VALUE(call.k > 0, "gemm_row_stats: k must be > 0");
+  TORCH_CHECK_VALUE(stat_rows == 5 || stat_rows == 6, "gemm_row_stats: stat_rows must be 5 or 6");
+  TORCH_CHECK_VALUE(target.device() == a.device() && target.dim() == 1 && target.size(0) == call.m &&
+                        target.is_contiguous() && (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
+                    "gemm_row_stats: target must be (m,) contiguous int64 or int32 on a's device");
+  GemmRowStats stats{};
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->device() == a.device() && bias->dim() == 1 && bias->size(0) == call.n &&
+                          bias->is_contiguous() && bias->scalar_type() == a.scalar_type(),
+                      "gemm_row_stats: bias must be (n,) contiguous of a's dtype on a's device");
+    stats.bias = bias->data_ptr();
+  }
+  TORCH_CHECK_VALUE(temperature > 0 && softcap >= 0, "gemm_row_stats: temperature must be > 0 and softcap >= 0");
+  const int64_t tiles_n = (call.n + kGemmRowStatsTileColumns - 1) / kGemmRowStatsTileColumns;
+  at::Tensor partials = at::empty({tiles_n, stat_rows, call.m}, a.options().dtype(at::kFloat));
+  if (call.m == 0 || call.n == 0) return partials;
+  CallContext context(a);
+  stats.partials = partials.data_ptr<float>();
+  stats.target = target.data_ptr();
+  stats.target_int32 = target.scalar_type() == at::kInt;
+  stats.softcap = static_cast<float>(softcap);
+  stats.softcap_inverse = softcap > 0 ? static_cast<float>(1 / static_cast<double>(stats.softcap)) : 0.f;
+  stats.inverse_temperature = static_cast<float>(1 / temperature);
+  stats.stat_rows = static_cast<int>(stat_rows);
+  run_kernels([&] { gemm_row_stats_launch(call, stats, context.launch()); });
+  return partials;
+}
+
+// row_stats' partials (tiles, stat_rows, rows) float32 combined into the rows' statistics (stat_rows,
+// rows), as row_passes.combine_tiles does in torch ops, in one pass.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_COMBINE_ROW_STATS_RETURNS linear_ce_gemm_combine_row_stats(
+    FUSED_LOSSES_LINEAR_CE_GEMM_COMBINE_ROW_STATS_PARAMS) {
+  TORCH_CHECK_VALUE(partials.is_cuda() && partials.dim() == 3 && partials.scalar_type() == at::kFloat &&
+                        partials.is_contiguous() && partials.size(0) > 0 &&
+                        (partials.size(1) == 5 || partials.size(1) == 6),
+                    "combine_row_stats: partials must be a contiguous (tiles > 0, 5 or 6, rows) float32 CUDA tensor");
+  const int64_t tiles = partials.size(0), stat_rows = partials.size(1), rows = partials.size(2);
+  at::Tensor stats = at::empty({stat_rows, rows}, partials.options());
+  CallContext context(partials);
+  run_kernels([&] {
+    combine_row_stats_launch(partials.data_ptr<float>(), stats.data_ptr<float>(), tiles, static_cast<int>(stat_rows),
+                             rows, context.launch());
+  });
+  return stats;
+}
+
 }  // namespace fused_losses

@@ -131,4 +131,41 @@ struct LogitChunkCall {
 void logit_chunk_stats_launch(const LogitChunkCall& call, const LaunchContext& context);
 void logit_chunk_gradient_launch(const LogitChunkCall& call, const LaunchContext& context);
 
+// C = A B^T on sm_90a (linear_ce_gemm.cu): A (m, k) and B (n, k) with row strides lda, ldb
+// (elements, K contiguous), C (m, n) with row stride ldc, all of `dtype` (float16 or bfloat16).
+// max_blocks > 0 caps the persistent grid (tests: the bits must not depend on it).
+struct GemmCall {
+  DType dtype;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  void* c;
+  int64_t ldc;
+  int64_t max_blocks;
+};
+
+void gemm_nt_launch(const GemmCall& call, const LaunchContext& context);
+
+// The same product's rows' statistics over each tile of kGemmRowStatsTileColumns classes instead of C (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of
+// u = softcap(logit + bias) / T.
+struct GemmRowStats {
+  float* partials;
+  const void* target;  // (m,) int64, or int32 where target_int32
+  const void* bias;    // (n,) of the operands' dtype, or nullptr
+  float softcap;       // 0: none
+  float softcap_inverse;  // (float) (1 / (double) softcap), 0 for none: Softcap's own reciprocal
+  float inverse_temperature;
+  int stat_rows;       // 5, or 6 with the entropy's sum
+  bool target_int32;
+};
+// Classes a tile of row_stats' partials covers: the kernel's tile N (gemm_sm90.cuh's kGemmTileN).
+constexpr int64_t kGemmRowStatsTileColumns = 192;
+void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
+// row_stats' partials (tiles, stat_rows, rows) combined into the rows' (stat_rows, rows), float32
+// (row_stats_combine.cuh).
+void combine_row_stats_launch(const float* partials, float* stats, int64_t tiles, int stat_rows, int64_t rows,
+                              const LaunchContext& context);
+
 }  // namespace fused_losses

@@ -38,60 +38,6 @@ constexpr int kChunkWarps = kChunkThreads / 32;
 
 constexpr int kUnroll = 4;          // packs a lane loads before it uses the first
 
-// The capped logit z' = s tanh(y), y = z / s, and its slope dz'/dz = 1 - tanh^2(y), as
-// 4 q (1 - q) with q = 1 / (e^2|y| + 1): written 1 - tanh^2, a saturated logit's slope would be
-// the difference of two numbers near 1 (z = 200, s = 30: 5 bf16 ulps off). For a 2-byte dtype
-// in float, with the hardware's exp and division, tanh = 1 - 2q (absolute error about 1e-7; the
-// logits carry 2^-9): 8192 x 256000 bf16, softcap 30, a 4096-class chunk's stats pass took 68 us
-// with tanhf and a division, 37 us so. For float32 logits in double: tanhf's and expf's 2 ulps
-// made a 6-class gradient 3x eager's error against float64.
-template <typename T>
-struct Softcap {
-  using acc_t = acc_type<T>;
-  using math_t = std::conditional_t<sizeof(T) == 2, float, double>;
-  math_t cap, inverse;  // cap 0: none. For 2-byte logits a product, not a division per logit
-                        // (a division's dozen instructions made the passes compute-bound)
-  __device__ explicit Softcap(double softcap) : cap(softcap), inverse(softcap > 0 ? 1 / softcap : 0) {}
-
-  __device__ __forceinline__ math_t q_of(math_t y) const {
-    if constexpr (sizeof(T) == 2) {
-      return __fdividef(1.f, exp2_flush_subnormal(fabsf(y) * (2 * kLog2e)) + 1.f);
-    } else {
-      return 1 / (exp(2 * fabs(y)) + 1);
-    }
-  }
-  __device__ __forceinline__ math_t y_of(acc_t z) const {
-    return sizeof(T) == 2 ? static_cast<math_t>(z) * inverse : static_cast<math_t>(z) / cap;
-  }
-  __device__ __forceinline__ math_t tanh_of(math_t y, math_t q) const {
-    if constexpr (sizeof(T) == 2) {
-      return copysignf(1.f - 2.f * q, y);
-    } else {
-      return tanh(y);
-    }
-  }
-  __device__ __forceinline__ acc_t apply(acc_t z) const {
-    if (cap == 0) return z;
-    const math_t y = y_of(z);
-    return static_cast<acc_t>(cap * tanh_of(y, sizeof(T) == 2 ? q_of(y) : math_t(0)));
-  }
-  // z' and dz'/dz.
-  __device__ __forceinline__ acc_t apply(acc_t z, acc_t& slope) const {
-    if (cap == 0) {
-      slope = 1;
-      return z;
-    }
-    const math_t y = y_of(z);
-    const math_t q = q_of(y);
-    slope = static_cast<acc_t>(4 * q * (1 - q));
-    return static_cast<acc_t>(cap * tanh_of(y, q));
-  }
-};
-
-__device__ __forceinline__ int64_t target_of(const void* target, bool target_int32, int64_t row) {
-  return target_int32 ? static_cast<const int32_t*>(target)[row] : static_cast<const int64_t*>(target)[row];
-}
-
 // Where a row's packs go: `parts` warps a row (1, or kChunkWarps: the block), this thread the
 // `lane`th of the row's 32 * parts.
 struct RowShare {

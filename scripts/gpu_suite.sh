@@ -15,8 +15,12 @@ arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capabilit
 
 # Every kernel and dtype for this GPU, at once.
 start=$(date +%s)
-python3 loader.py --arch "$arch" > "$OUT/build.log" 2>&1
-echo "builds: $(( $(date +%s) - start )) s"; grep -v Warning "$OUT/build.log"
+python3 loader.py --arch "$arch" > "$OUT/build.log" 2>&1 &
+if [ "$arch" = 9.0 ]; then  # the sm_90a product too (loader.SM90A_KERNELS), built beside the rest
+  python3 loader.py --arch 9.0a --kernel linear_ce_gemm --dtype bfloat16 float16 > "$OUT/build-sm90a.log" 2>&1 &
+fi
+wait
+echo "builds: $(( $(date +%s) - start )) s"; cat "$OUT"/build*.log | grep -v Warning
 
 export FUSED_LOSSES_BUILD_ARCHS="$arch"
 if [ "${SHARDS:-1}" -le 1 ]; then

@@ -97,6 +97,16 @@ def test_kernel_builds_and_binds_its_ops(name, arch):
         assert binding_signature(getattr(ops, op)) == declared_signature(name, op), op
 
 
+@pytest.mark.skipif("9.0" not in ARCHS, reason="sm_90 not among the archs built for")
+@pytest.mark.skipif(not loader.BUILDS_SM90A, reason="sm_90a code takes CUDA 12 or later")
+@pytest.mark.parametrize("name", loader.SM90A_KERNELS)
+def test_sm90a_kernel_builds_and_binds_its_ops(name):
+    """The sm_90a product's build ("9.0a", where sm_90 is asked for; bfloat16, one of its two dtypes), as above."""
+    ops = loader.load(name, "bfloat16", arch="9.0a")
+    for op in op_signatures.KERNEL_OPS[name]:
+        assert binding_signature(getattr(ops, op)) == declared_signature(name, op), op
+
+
 def test_cross_entropy_path_query_takes_the_forwards_arguments():
     """The test-only path query is bound with the forward's declared arguments, and the path
     switch names what it refuses."""

@@ -1,0 +1,628 @@
+// gemm_sm90.cuh: the device core of our sm_90a matrix product C = A B^T (A: M x K, B: N x K,
+// both K-contiguous, 2-byte: bfloat16 or float16; C: M x N in the same dtype, float32 sums).
+//
+// Warpgroup 0 is the producer (one thread issues every bulk tensor copy: A's and B's boxes of a
+// K block of 64 into a shared-memory stage), warpgroups 1 and 2 the consumers (wgmma, both
+// operands from shared memory, float32 sums in registers, then the epilogue: store C, or each
+// row's statistics). Persistent: one block a multiprocessor walks tiles blockIdx.x, + gridDim.x,
+// ... in a grouped order (GemmTiles), the same for every run; each output tile has one owner and
+// a fixed K order: the same bits every run, whatever the grid.
+//
+// Pingpong: each consumer owns whole 128 x 192 tiles, alternately (consumer 0 the block's tiles 0,
+// 2, 4, ..., consumer 1 tiles 1, 3, ...), and an ordered barrier makes their main loops take turns
+// on the tensor cores, so each one's epilogue runs under the other's main loop.
+// Why this schedule alone: the losses use row_stats only; on an H200 (8192 x 128256 x 4096 bf16)
+// a cooperative schedule (128 x 256 tiles, both consumers on each, epilogues exposed) took 14.27 ms
+// for it against pingpong's 13.53, and clusters of 2 sharing B by multicast gained under the 3% a
+// variant must earn (13.26). Git history holds both.
+// Napkin for Llama 3's head, 8192 x 128256 x 4096 (H100 SXM: 132 SMs, 989 TFLOP/s):
+// - Registers: 2 x m64n192k16 a k16 step, 2 x 96 = 192 float32 sums a thread of the 232 that
+//   setmaxnreg gives a consumer (40 x 128 + 2 x 232 x 128 = 64512, the block's 384 x 168 at
+//   launch): 40 for addresses, counters and the epilogue, which works on one 16-row block (96
+//   sums) at a time, in place. ptxas must spill nothing.
+// - Shared memory: a stage is (128 + 192) x 64 x 2 B = 40 KB; 5 stages 200 KB, staging 8 warps x 16
+//   rows x 64 columns x 2 B = 16 KB, 12 barriers, 1 KB of alignment slack: 222304 of 232448 B.
+// - L2 -> shared bytes: 40 KB a K block for 2 x 128 x 192 x 64 = 3.15 MFLOP, 77 FLOP/B: 8.8 TB/s
+//   across 132 SMs at 674 TFLOP/s, which L2 serves only because the grouped order keeps A's and
+//   B's live tiles resident.
+// - Tiles: N = 128256 = 668 x 192 exactly; 64 x 668 = 42752 tiles, 323.9 a block on 132 SMs. A
+//   ragged N's last tile is masked (zeros copied in, columns >= N skipped).
+// - Overlap: a tile's main loop is 2 x 128 x 192 x 4096 = 201 MFLOP, ~49k clocks of an SM's 4096
+//   FLOP a clock (~25 us); its statistics, 24576 values, ~9 us (1.5 x the ~6 us an H200 took for
+//   a consumer's 16384 of a 128 x 256 tile): hidden while shorter than the other consumer's main loop.
+//
+// Barriers (mbarriers, parity waits; a fresh barrier counts the phase before its first as done):
+// - step: the block's K blocks counted across its tiles in order, both consumers' tiles: its
+//   j-th tile's k-th block is step j x k_blocks + k; stage = step % stages, parity (step / stages) & 1.
+// - full[stage]: 1 arrival (the producer's expect_tx) + the stage's 40 KB (a box partly past the
+//   operand lands whole, zeros filled in); a consumer waits parity (step / stages) & 1.
+// - empty[stage]: 4 arrivals, one from each warp of the consumer that read the stage; the
+//   producer waits parity ((step / stages) & 1) ^ 1, so the first round passes at once.
+// - turn[c]: 4 arrivals, one from each warp of consumer 1 - c when it has issued the
+//   last wgmma of a tile. Consumer c's i-th tile (the block's tile 2i + c) waits parity
+//   (i & 1) ^ (c == 0): consumer 0 for consumer 1's first i arrivals (none before its first tile:
+//   parity 1 passes a fresh barrier), consumer 1 for consumer 0's first i + 1. Parity is enough: a
+//   consumer arrives once a tile and starts its next tile only after the other has passed the
+//   wait that its arrival completed, so no turn barrier gets two phases ahead of its waiter. The
+//   turns also keep full's parities sound when k_blocks < stages: all waits on full run in step
+//   order, so step - stages's wait has passed when step's begins.
+// - The epilogues need no order between consumers: each warp stages in its own buffer.
+//
+// Build: wgmma and setmaxnreg exist only for sm_90a (-gencode arch=compute_90a,code=sm_90a;
+// loader arch "9.0a"). Everywhere else (sm_80, plain sm_90, CUDA 11.8) the kernel body is a
+// __trap() and the launchers (linear_ce_gemm.cu) refuse with an error before launching.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <type_traits>
+
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
+#include <cuda.h>  // CUtensorMap (header only: no libcuda link)
+#endif
+
+#include "device.cuh"
+#include "sm90.cuh"
+
+// The arch-specific instructions (wgmma, setmaxnreg) are in this build only for compute_90a;
+// the bulk tensor copies and mbarriers need plain sm_90 and CUDA 12 (FUSED_LOSSES_SM90).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FUSED_LOSSES_SM90
+#define FUSED_LOSSES_GEMM_SM90A 1
+#else
+#define FUSED_LOSSES_GEMM_SM90A 0
+#endif
+
+// -DFUSED_LOSSES_GEMM_DEBUG=1 (loader: FUSED_LOSSES_NVCC_FLAGS): a barrier wait that has
+// spun for ~2^32 clocks (2-3 s) prints the barrier and traps, so a protocol bug fails the
+// test that hit it instead of hanging the GPU.
+#ifndef FUSED_LOSSES_GEMM_DEBUG
+#define FUSED_LOSSES_GEMM_DEBUG 0
+#endif
+
+namespace fused_losses {
+
+// ---------------------------------------------------------------------------------
+// Tile shapes and shared-memory layouts (host and device).
+
+constexpr int kGemmTileM = 128;      // rows of A (and C) a tile
+constexpr int kGemmTileK = 64;       // 64 x 2 B = 128 B: one swizzle span, one TMA box row
+constexpr int kGemmConsumers = 2;    // consumer warpgroups
+constexpr int kGemmThreads = 128 * (1 + kGemmConsumers);
+constexpr int kGemmConsumerWarps = 4 * kGemmConsumers;
+// 128 B swizzle repeats every 8 rows x 128 B: every stage starts at a 1024 B boundary, so the
+// wgmma descriptors' base offset is 0 and the TMA's swizzle and the descriptors' agree.
+constexpr int kGemmSmemAlign = 1024;
+
+// The tile and its pipeline (the header): everything here follows from the 128 x 192 tile a
+// consumer and the 5 stages.
+constexpr int kGemmTileN = 192;  // rows of B (columns of C) a tile
+static_assert(kGemmTileN == kGemmRowStatsTileColumns, "row_stats' partials: a tile of classes each (ops.h)");
+constexpr int kGemmStages = 5;   // 5 x 40 KB in flight
+constexpr int kGemmRowBlocks = kGemmTileM / 64;  // m64 wgmmas a k16 step: a consumer owns all 128 rows
+constexpr int kGemmSums = kGemmTileN / 2;        // float32 sums a thread, per 64-row block
+// Warps that read a stage, each of which frees it once: the owning consumer's 4.
+constexpr int kGemmReleaseArrivals = kGemmConsumerWarps / kGemmConsumers;
+// The epilogue stages a warp's 16 rows x kGemmStagingColumns at a time: apart from the pipeline's
+// stages, which the producer is already filling with the next tiles' K blocks.
+constexpr int kGemmStagingColumns = 64;
+constexpr int kGemmStagingWarpBytes = 16 * kGemmStagingColumns * 2;
+constexpr int kGemmStageBytesA = kGemmTileM * kGemmTileK * 2;  // 16 KB
+constexpr int kGemmStageBytesB = kGemmTileN * kGemmTileK * 2;  // 24 KB
+constexpr int kGemmStageBytes = kGemmStageBytesA + kGemmStageBytesB;  // what lands in a stage
+constexpr int kGemmOffsetB = kGemmStages * kGemmStageBytesA;
+constexpr int kGemmOffsetStaging = kGemmOffsetB + kGemmStages * kGemmStageBytesB;
+constexpr int kGemmOffsetBarriers = kGemmOffsetStaging + kGemmConsumerWarps * kGemmStagingWarpBytes;
+constexpr int kGemmBarriers = 2 * kGemmStages + kGemmConsumers;  // full, empty, turn
+constexpr int kGemmSmemBytes = kGemmSmemAlign + kGemmOffsetBarriers + kGemmBarriers * 8;  // 222304 B
+static_assert(kGemmSmemBytes <= 232448, "more than an H100 block's 227 KB of shared memory");
+static_assert(kGemmStageBytesA % kGemmSmemAlign == 0 && kGemmStageBytesB % kGemmSmemAlign == 0, "stage alignment");
+static_assert(kGemmTileN % kGemmStagingColumns == 0, "whole staging pieces");
+
+// The persistent schedule: tile t (0 <= t < count) in groups of `group` M tiles, M fastest
+// inside a group, so the blocks running at once (t, t + 1, ... t + grid - 1) share each B tile
+// among `group` of them and each A tile among grid / group: both stay in L2.
+struct GemmTiles {
+  int tiles_m, tiles_n, group, k_blocks;
+  int64_t count;  // tiles_m * tiles_n
+  int m, n;       // C's rows and columns, for the epilogue's masks
+  int64_t ldc;    // C's row stride, in elements
+};
+
+struct TileCoord {
+  int m, n;  // tile indices
+};
+
+__host__ __device__ inline TileCoord gemm_tile_coord(const GemmTiles& tiles, int64_t t) {
+  const int64_t per_group = int64_t(tiles.group) * tiles.tiles_n;
+  const int first_m = static_cast<int>(t / per_group) * tiles.group;
+  const int rows = tiles.tiles_m - first_m < tiles.group ? tiles.tiles_m - first_m : tiles.group;
+  const int64_t within = t % per_group;
+  return {first_m + static_cast<int>(within % rows), static_cast<int>(within / rows)};
+}
+
+// ---------------------------------------------------------------------------------
+// Device helpers: PTX wrappers (sm_90a unless marked).
+
+#if FUSED_LOSSES_GEMM_SM90A
+
+// Why: the mbarrier's arrival without a transaction: a consumer warp frees a stage with it, or
+// hands the tensor cores to the other consumer.
+__device__ __forceinline__ void gemm_mbarrier_arrive(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier)) : "memory");
+}
+
+// Why: sm90.cuh's mbarrier_wait spins forever; this one traps under FUSED_LOSSES_GEMM_DEBUG,
+// so a broken phase protocol fails a test rather than hanging the GPU.
+__device__ __forceinline__ void gemm_mbarrier_wait(uint64_t* barrier, uint32_t phase) {
+  const uint32_t address = shared_address(barrier);
+  uint32_t done = 0;
+#if FUSED_LOSSES_GEMM_DEBUG
+  const long long start = clock64();
+#endif
+  while (true) {
+    asm volatile(
+        "{\n .reg .pred complete;\n mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, complete;\n}"
+        : "=r"(done)
+        : "r"(address), "r"(phase)
+        : "memory");
+    if (done) return;
+#if FUSED_LOSSES_GEMM_DEBUG
+    if (clock64() - start > (1ll << 32)) {
+      printf("gemm_nt: block %d thread %d stuck on barrier 0x%x phase %u\n", blockIdx.x, threadIdx.x, address, phase);
+      __trap();
+    }
+#endif
+  }
+}
+
+// Why: the tensor map lives in kernel-parameter space; fetching its 128 B descriptor into the
+// TMA unit's cache before the first copy hides that latency from the first K block.
+__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Why: one instruction moves a whole swizzled box (rows x 64 elements) from global memory and
+// completes `barrier`'s transaction; out-of-bounds elements land as zeros, so ragged M, N and K
+// add exact zeros to the sums. inner: the K coordinate, outer: the row.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int inner, int outer, uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(shared_address(barrier))
+      : "memory");
+}
+
+// Why: the producer needs few registers and the consumers many (192 sums + addresses): moving
+// the register file's share from one to the other is what lets a 384-thread block hold them.
+template <int kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+// Why: a wgmma reads shared memory through a 64-bit descriptor, not an address. K-major with
+// the 128 B swizzle: start >> 4 in bits 0-13, leading offset (unused by this layout; 16 B by
+// convention) >> 4 in 16-29, stride offset 1024 B (one 8-row x 128 B swizzle atom to the next)
+// >> 4 in 32-45, base offset 0 (1024 B-aligned stages) in 49-51, swizzle mode 1 (128 B) in 62-63.
+__device__ __forceinline__ uint64_t smem_descriptor_k_major_sw128(const void* tile) {
+  const uint64_t start = (shared_address(tile) & 0x3FFFF) >> 4;
+  return start | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// Why: wgmma reads its accumulator registers asynchronously; this fence orders the
+// registers' earlier writes (the zeroing, the previous tile) before the next wgmma reads them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+// Why: groups the wgmmas issued since the last commit, so wgmma_wait can wait for them as one.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Why: waits until at most kPending committed groups are still running: with 1, the K block
+// just issued keeps the tensor cores busy while the previous block's stage is released.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Why: the wgmma's asm names the sums as outputs where it is issued, not where wgmma_wait
+// finishes it; this marks them written here, so no read of them moves above the wait.
+template <int kSums>
+__device__ __forceinline__ void accumulators_ready(float (&d)[kSums]) {
+#pragma unroll
+  for (int i = 0; i < kSums; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define FUSED_LOSSES_WGMMA_D8(i)                                                            \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FUSED_LOSSES_WGMMA_D96                                                                              \
+  FUSED_LOSSES_WGMMA_D8(0), FUSED_LOSSES_WGMMA_D8(8), FUSED_LOSSES_WGMMA_D8(16), FUSED_LOSSES_WGMMA_D8(24),   \
+      FUSED_LOSSES_WGMMA_D8(32), FUSED_LOSSES_WGMMA_D8(40), FUSED_LOSSES_WGMMA_D8(48), FUSED_LOSSES_WGMMA_D8(56), \
+      FUSED_LOSSES_WGMMA_D8(64), FUSED_LOSSES_WGMMA_D8(72), FUSED_LOSSES_WGMMA_D8(80), FUSED_LOSSES_WGMMA_D8(88)
+#define FUSED_LOSSES_WGMMA_N192(types)                                                                          \
+  asm volatile(                                                                                                 \
+      "{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %98, 0;\n"                                          \
+      " wgmma.mma_async.sync.aligned.m64n192k16.f32." types " {"                                                \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                        \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                        \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "                       \
+      "%96, %97, accumulate, 1, 1, 0, 0;\n}"                                                                    \
+      : FUSED_LOSSES_WGMMA_D96                                                                                  \
+      : "l"(a), "l"(b), "r"(accumulate))
+
+// Why: the tensor cores' step for a 64-row block of the tile, 64 x 192 x 16, both operands read
+// from shared memory (K-major, "SS"): d (64 x 192 float32, 96 a thread) += A B^T, or = A B^T when
+// !accumulate. Asynchronous: d must not be touched until a wgmma_wait covers it.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[kGemmSums], uint64_t a, uint64_t b, uint32_t accumulate) {
+  static_assert(sizeof(T) == 2, "2-byte operands");
+  static_assert(kGemmSums == 96, "m64n192k16");
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    FUSED_LOSSES_WGMMA_N192("bf16.bf16");
+  } else {
+    FUSED_LOSSES_WGMMA_N192("f16.f16");
+  }
+}
+
+#undef FUSED_LOSSES_WGMMA_N192
+#undef FUSED_LOSSES_WGMMA_D96
+#undef FUSED_LOSSES_WGMMA_D8
+
+// Why: two float32 sums rounded to nearest into one 4-byte pair of T (lo in the low half), one
+// instruction, no dependence on cuda_bf16.h's conversion macros that load_inline turns off.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  uint32_t pair;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  }
+  return pair;
+}
+
+#endif  // FUSED_LOSSES_GEMM_SM90A
+
+// ---------------------------------------------------------------------------------
+// The kernel's roles.
+
+#if FUSED_LOSSES_GEMM_SM90A
+
+struct GemmShared {
+  unsigned char* a;         // stages x 128 rows x 128 B
+  unsigned char* b;         // stages x 192 rows x 128 B
+  unsigned char* staging;   // kGemmConsumerWarps x 16 rows x 64 columns x 2 B
+  uint64_t* full;           // [stage]: the copies landed (1 arrival + the stage's bytes)
+  uint64_t* empty;          // [stage]: every warp that reads it is done
+  uint64_t* turn;           // [consumer]: the other consumer has issued its tile's wgmmas
+};
+
+// K blocks are counted across the block's tiles (`step`), so stage = step % stages and the
+// barrier's phase parity = (step / stages) & 1 run on from tile to tile, in every role.
+__device__ __forceinline__ uint32_t stage_of(uint32_t step) { return step % kGemmStages; }
+__device__ __forceinline__ uint32_t parity_of(uint32_t step) { return (step / kGemmStages) & 1; }
+
+// A consumer warp frees a stage it has read: lane 0 arrives for its warp (the header's empty[stage]).
+__device__ __forceinline__ void gemm_release_stage(uint64_t* empty, int lane) {
+  if (lane == 0) gemm_mbarrier_arrive(empty);
+}
+
+// One thread: for every K block of every tile, wait until the stage is free, then copy A's 128 x 64
+// and B's 192 x 64 box into it. A fresh barrier counts as having completed the phase before its
+// first, so the first round's waits (parity 1) pass at once.
+__device__ __forceinline__ void gemm_produce(const void* a_map, const void* b_map, const GemmTiles& tiles,
+                                             const GemmShared& shared) {
+  uint32_t step = 0;
+  for (int64_t t = blockIdx.x; t < tiles.count; t += gridDim.x) {
+    const TileCoord tile = gemm_tile_coord(tiles, t);
+    for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
+      const uint32_t stage = stage_of(step);
+      gemm_mbarrier_wait(&shared.empty[stage], parity_of(step) ^ 1);
+      mbarrier_arrive_expect_tx(&shared.full[stage], kGemmStageBytes);
+      tma_load_2d(shared.a + stage * kGemmStageBytesA, a_map, k_block * kGemmTileK, tile.m * kGemmTileM,
+                  &shared.full[stage]);
+      tma_load_2d(shared.b + stage * kGemmStageBytesB, b_map, k_block * kGemmTileK, tile.n * kGemmTileN,
+                  &shared.full[stage]);
+    }
+  }
+}
+
+// A consumer warp's 16 x kColumns sums of one tile into C, through its staging buffer: a lane
+// holds rows r = lane / 4 and r + 8, columns 8j + 2 (lane % 4) + {0, 1} for j < kColumns / 8 (the
+// wgmma layout), which written straight to C would be 8-byte pieces. In pieces of kPiece columns:
+// pairs into the buffer (16 B chunk index XOR row % 8: the 32 lanes hit 32 banks), then each
+// row's 2 kPiece contiguous bytes are stored by kPiece / 8 lanes, 16 B each.
+template <typename T, int kColumns, int kPiece>
+__device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging, T* c,
+                                                     const GemmTiles& tiles, int row0, int col0) {
+  constexpr int kChunks = kPiece / 8;  // 16 B chunks of a staged row, and lanes that store one
+  constexpr int kRowBytes = 2 * kPiece;
+  constexpr int kRowsAtOnce = 32 / kChunks;
+  static_assert(kColumns % kPiece == 0 && kChunks % 8 == 0 && kChunks <= 32, "pieces of whole swizzle rows");
+  const int lane = threadIdx.x % 32;
+  const int quad_row = lane / 4;
+  const bool full_chunks = tiles.ldc % 8 == 0 && reinterpret_cast<uintptr_t>(c) % 16 == 0;
+#pragma unroll
+  for (int piece = 0; piece < kColumns / kPiece; ++piece) {
+#pragma unroll
+    for (int jj = 0; jj < kChunks; ++jj) {
+      const int j = kChunks * piece + jj;
+#pragma unroll
+      for (int upper = 0; upper < 2; ++upper) {
+        const int r = quad_row + 8 * upper;
+        const int offset = r * kRowBytes + ((jj ^ (r % 8)) * 16) + 4 * (lane % 4);
+        *reinterpret_cast<uint32_t*>(staging + offset) = pack_pair<T>(d[4 * j + 2 * upper], d[4 * j + 2 * upper + 1]);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 16 / kRowsAtOnce; ++i) {
+      const int r = kRowsAtOnce * i + lane / kChunks;
+      const int chunk = lane % kChunks;
+      const int offset = r * kRowBytes + ((chunk ^ (r % 8)) * 16);
+      const uint4 value = *reinterpret_cast<const uint4*>(staging + offset);
+      const int row = row0 + r;
+      const int col = col0 + kPiece * piece + 8 * chunk;
+      if (row >= tiles.m || col >= tiles.n) continue;
+      T* out = c + int64_t(row) * tiles.ldc + col;
+      if (full_chunks && col + 8 <= tiles.n) {
+        *reinterpret_cast<uint4*>(out) = value;
+      } else {  // the ragged last columns, or a C whose rows are not 16 B-aligned: 2 B at a time
+        const uint32_t words[4] = {value.x, value.y, value.z, value.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const uint16_t element = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
+          if (col + e < tiles.n) reinterpret_cast<uint16_t*>(out)[e] = element;
+        }
+      }
+    }
+    __syncwarp();  // the buffer's reads are done before the next piece overwrites it
+  }
+}
+
+#endif  // FUSED_LOSSES_GEMM_SM90A
+
+// The fused product's epilogue (DESIGN.md, "The fused product"): instead of C, each row's
+// statistics over the tile's 192 columns, in the row passes' form
+// (row_passes.cu: max m, sum of exp(u - m), the target's u, the sum of u, the sum of exp over the
+// classes other than the target; with 6 rows also sum exp(u - m) (u - m)) of
+// u = softcap(round(acc + bias)) / T, the logit rounded to T first as a product's output is, so the
+// statistics are those of eager's logits. partials: (tiles_n, stat_rows, m) float32, every entry
+// written; combining the tiles is the caller's (a vocabulary shard's combine, across tiles).
+
+#if FUSED_LOSSES_GEMM_SM90A
+
+// Why: the epilogue's logits must be the product's output, rounded to T, not float32 sums.
+template <typename T>
+__device__ __forceinline__ void round_pair_to(float& lo, float& hi) {
+  const uint32_t pair = pack_pair<T>(lo, hi);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    lo = __uint_as_float(pair << 16);
+    hi = __uint_as_float(pair & 0xffff0000u);
+  } else {
+    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(pair));
+  }
+}
+
+// A consumer warp's 16 rows of one tile into partials[tile_n]: a lane holds rows r = lane / 4 and
+// r + 8, kColumns / 4 columns each (gemm_store_warp_rows' layout); its quad (4 lanes) holds a
+// row's kColumns. Two passes over the registers: u written over the sums and the max, then the
+// sums; each reduced over the quad (the same bits in its 4 lanes: max and + commute), written by
+// lane % 4 == 0.
+template <typename T, int kColumns>
+__device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[kColumns / 2], const GemmRowStats& out,
+                                                         const GemmTiles& tiles, int row0, int col0, int tile_n) {
+  const int lane = threadIdx.x % 32;
+  const Softcap<T> softcap(out.softcap, out.softcap_inverse);
+  const float s = out.inverse_temperature;
+  // Columns from this lane's first, col0 + 2 (lane % 4): column 8j + e is in C while 8j + e < in_c,
+  // so each mask compares with a constant (a register a column would not fit beside the sums).
+  const int lane_col0 = col0 + 2 * (lane % 4);
+  const int in_c = tiles.n - lane_col0;
+  const T* bias = out.bias == nullptr ? nullptr : static_cast<const T*>(out.bias) + lane_col0;
+#pragma unroll
+  for (int upper = 0; upper < 2; ++upper) {
+    const int row = row0 + lane / 4 + 8 * upper;
+    const bool row_ok = row < tiles.m;
+    // The target's column, from this lane's first, where this lane holds it; else -1.
+    const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - lane_col0 : -1;
+    const int t = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
+    float m = -infinity<float>();
+#pragma unroll
+    for (int j = 0; j < kColumns / 8; ++j) {
+      float lo = d[4 * j + 2 * upper], hi = d[4 * j + 2 * upper + 1];
+      if (bias != nullptr) {
+        lo += 8 * j < in_c ? static_cast<float>(bias[8 * j]) : 0.f;
+        hi += 8 * j + 1 < in_c ? static_cast<float>(bias[8 * j + 1]) : 0.f;
+      }
+      round_pair_to<T>(lo, hi);
+      lo = softcap.apply(lo) * s;
+      hi = softcap.apply(hi) * s;
+      d[4 * j + 2 * upper] = lo;
+      d[4 * j + 2 * upper + 1] = hi;
+      if (8 * j < in_c) m = max_acc(m, lo);
+      if (8 * j + 1 < in_c) m = max_acc(m, hi);
+    }
+    m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float sum = 0.f, others = 0.f, target_u = 0.f, logit_sum = 0.f, spread = 0.f;
+#pragma unroll
+    for (int j = 0; j < kColumns / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (8 * j + e >= in_c) continue;
+        const float u = d[4 * j + 2 * upper + e];
+        const float ex = u == -infinity<float>() ? 0.f : exp_minus<T>(u, m);
+        sum += ex;
+        logit_sum += u;
+        if (8 * j + e == t) {
+          target_u = u;
+        } else {
+          others += ex;
+        }
+        if (ex != 0.f) spread += ex * (u - m);
+      }
+    }
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask *= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+      others += __shfl_xor_sync(0xffffffffu, others, mask);
+      target_u += __shfl_xor_sync(0xffffffffu, target_u, mask);
+      logit_sum += __shfl_xor_sync(0xffffffffu, logit_sum, mask);
+      spread += __shfl_xor_sync(0xffffffffu, spread, mask);
+    }
+    if (lane % 4 != 0 || !row_ok) continue;
+    float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
+    partial[0] = m;
+    partial[int64_t(tiles.m)] = sum;
+    partial[2 * int64_t(tiles.m)] = target_u;
+    partial[3 * int64_t(tiles.m)] = logit_sum;
+    partial[4 * int64_t(tiles.m)] = others;
+    if (out.stat_rows == 6) partial[5 * int64_t(tiles.m)] = spread;
+  }
+}
+
+#endif  // FUSED_LOSSES_GEMM_SM90A
+
+// What a consumer warp does with its 16 x 192 sums of a tile: store them into C, or fold them into
+// the rows' statistics.
+template <typename T>
+struct GemmStoreTile {
+  T* c;
+#if FUSED_LOSSES_GEMM_SM90A
+  __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char* staging, const GemmTiles& tiles,
+                                             int row0, int col0, int) const {
+    gemm_store_warp_rows<T, kGemmTileN, kGemmStagingColumns>(d, staging, c, tiles, row0, col0);
+  }
+#endif
+};
+
+template <typename T>
+struct GemmRowStatsTile {
+  GemmRowStats out;
+#if FUSED_LOSSES_GEMM_SM90A
+  __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char*, const GemmTiles& tiles, int row0,
+                                             int col0, int tile_n) const {
+    gemm_row_stats_warp_rows<T, kGemmTileN>(d, out, tiles, row0, col0, tile_n);
+  }
+#endif
+};
+
+#if FUSED_LOSSES_GEMM_SM90A
+
+// A consumer warpgroup: all 128 rows (two 64-row blocks) of the block's tiles consumer, consumer + 2,
+// ..., its main loop after the other consumer's (turn[consumer], the header's parities), so that
+// its epilogue runs under the other's main loop. Each K block: wait for its stage, issue the
+// wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the 128 B swizzle span; each
+// row block), commit, and wait until only this group runs; the previous block's stage is then
+// read no more and each warp frees it.
+template <typename T, typename Epilogue>
+__device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared,
+                                             const Epilogue& epilogue) {
+  const int warp = (threadIdx.x % 128) / 32;
+  const int lane = threadIdx.x % 32;
+  const bool signals = lane == 0;  // lane 0 arrives for its warp
+  unsigned char* staging = shared.staging + (4 * consumer + warp) * kGemmStagingWarpBytes;
+  const int64_t blocks = gridDim.x;
+  float d[kGemmRowBlocks][kGemmSums];
+  // The block's tile 2i + consumer starts at step (2i + consumer) k_blocks.
+  uint32_t step = consumer * tiles.k_blocks;
+  uint32_t turn_parity = consumer == 0 ? 1 : 0;  // (i & 1) ^ (consumer == 0) for its i-th tile
+  for (int64_t t = blockIdx.x + consumer * blocks; t < tiles.count; t += 2 * blocks) {
+    const TileCoord tile = gemm_tile_coord(tiles, t);
+#pragma unroll
+    for (int block = 0; block < kGemmRowBlocks; ++block) {
+#pragma unroll
+      for (int i = 0; i < kGemmSums; ++i) d[block][i] = 0.f;
+    }
+    gemm_mbarrier_wait(&shared.turn[consumer], turn_parity);
+    turn_parity ^= 1;
+    for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
+      const uint32_t stage = stage_of(step);
+      gemm_mbarrier_wait(&shared.full[stage], parity_of(step));
+      const unsigned char* a_rows = shared.a + stage * kGemmStageBytesA;
+      const uint64_t b = smem_descriptor_k_major_sw128(shared.b + stage * kGemmStageBytesB);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kGemmTileK / 16; ++k) {
+#pragma unroll
+        for (int block = 0; block < kGemmRowBlocks; ++block) {
+          const uint64_t a = smem_descriptor_k_major_sw128(a_rows + block * 64 * 128);
+          wgmma_m64k16<T>(d[block], a + 2 * k, b + 2 * k, 1);
+        }
+      }
+      wgmma_commit();
+      // Every wgmma of the tile is issued: the other consumer's main loop may queue behind them.
+      if (k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
+      wgmma_wait<1>();
+      if (k_block > 0) gemm_release_stage(&shared.empty[stage_of(step - 1)], lane);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int block = 0; block < kGemmRowBlocks; ++block) accumulators_ready(d[block]);
+    gemm_release_stage(&shared.empty[stage_of(step - 1)], lane);
+    step += tiles.k_blocks;  // past the other consumer's next tile
+#pragma unroll
+    for (int block = 0; block < kGemmRowBlocks; ++block) {
+      epilogue(d[block], staging, tiles, tile.m * kGemmTileM + 64 * block + 16 * warp, tile.n * kGemmTileN, tile.n);
+    }
+  }
+}
+
+#endif  // FUSED_LOSSES_GEMM_SM90A
+
+// Registers a thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512, all that the block got at launch
+// (384 threads x 168, ptxas's count for __launch_bounds__(384, 1)); more and setmaxnreg.inc waits forever.
+constexpr int kGemmProducerRegisters = 40;
+constexpr int kGemmConsumerRegisters = 232;
+constexpr int kGemmLaunchRegisters = 168;
+static_assert(128 * kGemmProducerRegisters + 128 * kGemmConsumers * kGemmConsumerRegisters <=
+                  kGemmThreads * kGemmLaunchRegisters,
+              "setmaxnreg's split exceeds the block's registers at launch");
+
+// Tensor maps: A's and B's {K, rows} views, boxes {64, 128} and {64, 192}, 128 B swizzle.
+// CUtensorMap is a CUDA 12 type (cuda.h); CUDA 11.8 builds have no kernel (the launcher refuses).
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 12
+// Epilogue: GemmStoreTile<T> (C = A B^T) or GemmRowStatsTile<T> (the rows' statistics).
+template <typename T, typename Epilogue>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_nt_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                   const GemmTiles tiles, const Epilogue epilogue) {
+#if FUSED_LOSSES_GEMM_SM90A
+  extern __shared__ unsigned char shared_raw[];
+  unsigned char* base = align_shared<kGemmSmemAlign>(shared_raw);
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(base + kGemmOffsetBarriers);
+  const GemmShared shared{base,     base + kGemmOffsetB,     base + kGemmOffsetStaging,
+                          barriers, barriers + kGemmStages, barriers + 2 * kGemmStages};
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&a_map);
+    prefetch_tensor_map(&b_map);
+    for (int s = 0; s < kGemmStages; ++s) {
+      mbarrier_init(&shared.full[s], 1);
+      mbarrier_init(&shared.empty[s], kGemmReleaseArrivals);
+    }
+    for (int c = 0; c < kGemmConsumers; ++c) mbarrier_init(&shared.turn[c], kGemmConsumerWarps / kGemmConsumers);
+  }
+  __syncthreads();  // the barriers are initialized before any thread uses them
+  wait_for_previous_kernel();
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    registers_decrease<kGemmProducerRegisters>();
+    if (threadIdx.x == 0) gemm_produce(&a_map, &b_map, tiles, shared);
+  } else {
+    registers_increase<kGemmConsumerRegisters>();
+    gemm_consume<T>(warpgroup - 1, tiles, shared, epilogue);
+  }
+#else
+  __trap();
+#endif
+}
+#endif
+
+}  // namespace fused_losses
