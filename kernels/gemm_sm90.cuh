@@ -11,10 +11,9 @@
 // Pingpong: each consumer owns whole 128 x 192 tiles, alternately (consumer 0 the block's tiles 0,
 // 2, 4, ..., consumer 1 tiles 1, 3, ...), and an ordered barrier makes their main loops take turns
 // on the tensor cores, so each one's epilogue runs under the other's main loop.
-// Why this schedule alone: the losses use row_stats only; on an H200 (8192 x 128256 x 4096 bf16)
-// a cooperative schedule (128 x 256 tiles, both consumers on each, epilogues exposed) took 14.27 ms
-// for it against pingpong's 13.53, and clusters of 2 sharing B by multicast gained under the 3% a
-// variant must earn (13.26). Git history holds both.
+// Why this schedule alone: for row_stats, all the losses use, a cooperative schedule (128 x 256
+// tiles) was slower and clusters of 2 sharing B by multicast gained under the 3% a variant must
+// earn (notes, v55; branch gemm-sm90 holds both).
 // Napkin for Llama 3's head, 8192 x 128256 x 4096 (H100 SXM: 132 SMs, 989 TFLOP/s):
 // - Registers: 2 x m64n192k16 a k16 step, 2 x 96 = 192 float32 sums a thread of the 232 that
 //   setmaxnreg gives a consumer (40 x 128 + 2 x 232 x 128 = 64512, the block's 384 x 168 at
