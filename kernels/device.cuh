@@ -125,6 +125,13 @@ __device__ __forceinline__ acc_type<T> log_for(acc_type<T> x) {
 // The larger of two values; NaN loses (as fmaxf), so a NaN must reach results another way.
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+// max that returns NaN where either is one (max.NaN, sm_80), as torch's amax.
+__device__ __forceinline__ float max_nan_wins(float a, float b) {
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+__device__ __forceinline__ double max_nan_wins(double a, double b) { return isnan(a) ? a : isnan(b) ? b : fmax(a, b); }
 
 template <typename acc_t>
 __device__ __forceinline__ acc_t infinity() {

@@ -148,8 +148,8 @@ struct GemmCall {
 
 void gemm_nt_launch(const GemmCall& call, const LaunchContext& context);
 
-// The same product's rows' statistics over each tile of kGemmRowStatsTileColumns classes instead of C (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of
-// u = softcap(logit + bias) / T.
+// The same product's rows' statistics over each tile of kGemmRowStatsTileColumns classes instead
+// of C (gemm_sm90.cuh): partials (tiles, stat_rows, m) float32 of u = softcap(logit + bias) / T.
 struct GemmRowStats {
   float* partials;
   const void* target;  // (m,) int64, or int32 where target_int32

@@ -10,7 +10,6 @@
 
 #include "device.cuh"
 #include "launch.cuh"
-#include "sm90.cuh"
 
 namespace fused_losses {
 
@@ -20,9 +19,6 @@ constexpr int kCombineParts = 8;
 struct TileStatsPart {
   float max, sum, target, logit_sum, others, spread;
 };
-
-// NaN wins, as torch's amax: a tile whose row was all NaN makes the row NaN.
-__device__ __forceinline__ float max_with_nan(float a, float b) { return isnan(a) || isnan(b) ? a + b : fmaxf(a, b); }
 
 // `part` moved onto `max` (>= part.max, or NaN) and added to `into`.
 __device__ __forceinline__ void add_part_at(TileStatsPart& into, const TileStatsPart& part, float max, bool spread) {
@@ -44,7 +40,8 @@ __global__ void __launch_bounds__(kCombineRows * kCombineParts)
   const bool spread = stat_rows == 6;
   TileStatsPart mine{-infinity<float>(), 0.f, 0.f, 0.f, 0.f, 0.f};
   if (row < rows) {
-    for (int64_t t = group; t < tiles; t += kCombineParts) mine.max = max_with_nan(mine.max, partials[t * plane + row]);
+    // NaN wins (max_nan_wins): a tile whose row was all NaN makes the row NaN.
+    for (int64_t t = group; t < tiles; t += kCombineParts) mine.max = max_nan_wins(mine.max, partials[t * plane + row]);
     for (int64_t t = group; t < tiles; t += kCombineParts) {
       const float* p = partials + t * plane + row;
       const TileStatsPart part{p[0], p[rows], p[2 * rows], p[3 * rows], p[4 * rows], spread ? p[5 * rows] : 0.f};
@@ -55,7 +52,7 @@ __global__ void __launch_bounds__(kCombineRows * kCombineParts)
   __syncthreads();
   if (group != 0 || row >= rows) return;
   float max = parts[0][lane].max;
-  for (int g = 1; g < kCombineParts; ++g) max = max_with_nan(max, parts[g][lane].max);
+  for (int g = 1; g < kCombineParts; ++g) max = max_nan_wins(max, parts[g][lane].max);
   TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int g = 0; g < kCombineParts; ++g) add_part_at(total, parts[g][lane], max, spread);
   stats[row] = total.max;
@@ -68,7 +65,7 @@ __global__ void __launch_bounds__(kCombineRows * kCombineParts)
 
 // ops.h declares it: this header's one includer is linear_ce_gemm.cu.
 void combine_row_stats_launch(const float* partials, float* stats, int64_t tiles, int stat_rows, int64_t rows,
-                                     const LaunchContext& context) {
+                              const LaunchContext& context) {
   if (rows == 0) return;
   launch_kernel(&combine_row_stats_kernel, (rows + kCombineRows - 1) / kCombineRows, kCombineRows * kCombineParts, 0,
                 1, context.device, context.stream, partials, stats, tiles, stat_rows, rows);

@@ -79,14 +79,6 @@ struct CombineMaxSum {
   }
 };
 
-// max that returns NaN where either is one (max.NaN, sm_80).
-__device__ __forceinline__ float max_nan_wins(float a, float b) {
-  float m;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
-  return m;
-}
-__device__ __forceinline__ double max_nan_wins(double a, double b) { return isnan(a) ? a : isnan(b) ? b : fmax(a, b); }
-
 // The largest value of a pack: NaN loses, as in max_acc, or with kNaNWins it wins. 2-byte
 // values pairwise in their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and
 // 4 instructions for 8 values where converting each to float first took 16.
