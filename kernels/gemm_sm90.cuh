@@ -217,8 +217,8 @@ __device__ __forceinline__ uint64_t smem_descriptor_k_major_sw128(const void* ti
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 // Why: groups the wgmmas issued since the last commit, so wgmma_wait can wait for them as one.
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-// Why: waits until at most kPending committed groups are still running: with 1, the K block
-// just issued keeps the tensor cores busy while the previous block's stage is released.
+// Why: waits until at most kPending committed groups are still running: the K blocks just issued
+// keep the tensor cores busy while an older block's stage is released.
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
@@ -519,8 +519,11 @@ struct GemmRowStatsTile {
 // ..., its main loop after the other consumer's (turn[consumer], the header's parities), so that
 // its epilogue runs under the other's main loop. Each K block: wait for its stage, issue the
 // wgmmas (k = 0, 16, 32, 48: +32 B on the descriptors' start inside the 128 B swizzle span; each
-// row block), commit, and wait until only this group runs; the previous block's stage is then
-// read no more and each warp frees it.
+// row block), commit, and wait until at most 2 groups are pending; the stage 2 blocks back is then
+// read no more and each warp frees it. (1 pending, descriptors rebuilt each block: the plain
+// product 4% slower on an H200, notes v57.) A consumer holds 3 of the 5 stages: the producer kept
+// ahead (ncu: no wait on full spun), and a tile's first 3 K blocks sit in stages that the other
+// consumer freed inside its loop.
 template <typename T, typename Epilogue>
 __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tiles, const GemmShared& shared,
                                              const Epilogue& epilogue) {
@@ -530,6 +533,10 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
   unsigned char* staging = shared.staging + (4 * consumer + warp) * kGemmStagingWarpBytes;
   const int64_t blocks = gridDim.x;
   float d[kGemmRowBlocks][kGemmSums];
+  // Stage 0's descriptors, once: a stage's are these plus its offset >> 4 (start field, no carry:
+  // shared addresses < 2^18).
+  const uint64_t a_stage0 = smem_descriptor_k_major_sw128(shared.a);
+  const uint64_t b_stage0 = smem_descriptor_k_major_sw128(shared.b);
   // The block's tile 2i + consumer starts at step (2i + consumer) k_blocks.
   uint32_t step = consumer * tiles.k_blocks;
   uint32_t turn_parity = consumer == 0 ? 1 : 0;  // (i & 1) ^ (consumer == 0) for its i-th tile
@@ -545,26 +552,27 @@ __device__ __forceinline__ void gemm_consume(int consumer, const GemmTiles& tile
     for (int k_block = 0; k_block < tiles.k_blocks; ++k_block, ++step) {
       const uint32_t stage = stage_of(step);
       gemm_mbarrier_wait(&shared.full[stage], parity_of(step));
-      const unsigned char* a_rows = shared.a + stage * kGemmStageBytesA;
-      const uint64_t b = smem_descriptor_k_major_sw128(shared.b + stage * kGemmStageBytesB);
+      const uint64_t a_rows = a_stage0 + ((stage * kGemmStageBytesA) >> 4);
+      const uint64_t b = b_stage0 + ((stage * kGemmStageBytesB) >> 4);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kGemmTileK / 16; ++k) {
 #pragma unroll
         for (int block = 0; block < kGemmRowBlocks; ++block) {
-          const uint64_t a = smem_descriptor_k_major_sw128(a_rows + block * 64 * 128);
+          const uint64_t a = a_rows + ((block * 64 * 128) >> 4);
           wgmma_m64k16<T>(d[block], a + 2 * k, b + 2 * k, 1);
         }
       }
       wgmma_commit();
       // Every wgmma of the tile is issued: the other consumer's main loop may queue behind them.
       if (k_block == tiles.k_blocks - 1 && signals) gemm_mbarrier_arrive(&shared.turn[consumer ^ 1]);
-      wgmma_wait<1>();
-      if (k_block > 0) gemm_release_stage(&shared.empty[stage_of(step - 1)], lane);
+      wgmma_wait<2>();
+      if (k_block > 1) gemm_release_stage(&shared.empty[stage_of(step - 2)], lane);
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int block = 0; block < kGemmRowBlocks; ++block) accumulators_ready(d[block]);
+    if (tiles.k_blocks > 1) gemm_release_stage(&shared.empty[stage_of(step - 2)], lane);
     gemm_release_stage(&shared.empty[stage_of(step - 1)], lane);
     step += tiles.k_blocks;  // past the other consumer's next tile
 #pragma unroll
