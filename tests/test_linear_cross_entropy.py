@@ -206,17 +206,26 @@ def test_concurrent_backwards_of_forward_written_gradients():
 D_LOGIT_OPS = 24
 
 
+def float64_d_logits(loss_of_logits, inputs, grad_output=None):
+    """(x (N, H), w (V, H), b, the logits x w^T + b, their loss, its gradient G), all float64: the truth the
+    floors below start from. loss_of_logits(logits (N, C), target) is the loss of the logits' rows; grad_output
+    None for a scalar loss."""
+    x, w, t, b = (v.double() if v.is_floating_point() else v for v in inputs)
+    x, w, b = x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1]), b.reshape(-1)
+    logits = F.linear(x, w, b).requires_grad_()
+    loss = loss_of_logits(logits, t)
+    g, = torch.autograd.grad(loss, logits, None if grad_output is None else
+                             grad_output.to(logits.device).reshape(loss.shape))
+    return x, w, b, logits.detach(), loss.detach(), g
+
+
 def product_conditions(loss_of_logits, inputs, grad_of, grad_output):
     """((rows, hidden, vocab), {i: (kappa, its sum's length)}) for the gradients of input (i = 0), weight (1)
     and bias (3) among grad_of, each a product A B of the float64 d logits G: d input G W, d weight G^T x,
     d bias G^T 1; kappa = || |A| |B| || / || A B ||, the product's condition. loss_of_logits(logits (N, C),
     target) is the loss of the logits' rows."""
-    x, w, t, b = (v.double() if v.is_floating_point() else v for v in inputs)
-    x, w = x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1])
+    x, w, _, _, _, g = float64_d_logits(loss_of_logits, inputs, grad_output)
     (rows, hidden), vocab = x.shape, w.shape[0]
-    logits = F.linear(x, w, b.reshape(-1)).requires_grad_()
-    loss = loss_of_logits(logits, t)
-    g, = torch.autograd.grad(loss, logits, grad_output.to(logits.device).reshape(loss.shape))
     ones = torch.ones(rows, 1, dtype=g.dtype, device=g.device)
     products = {0: (g, w, vocab), 1: (g.t(), x, rows), 3: (g.t(), ones, rows)}
     return (rows, hidden, vocab), {i: (((left.abs() @ right.abs()).norm() / (left @ right).norm()).item(), length)
@@ -249,13 +258,9 @@ def autocast_loss_floor(options, inputs):
     """The loss's floor under bf16 autocast: x, w, b and each logit rounded to bf16 (u = eps / 2) move the loss
     by G : dZ, independent roundings of variance u^2 / 3 each; 6 standard deviations of that, relative. A single
     scalar: eager's error can cancel to near 0 by chance (80 seeds, H200: eager's 4e-7 against ours 1.7e-5)."""
-    x, w, t, b = (v.double() if v.is_floating_point() else v for v in inputs)
-    x, t = x.reshape(-1, x.shape[-1]), t.reshape(-1)
-    logits = F.linear(x, w, b).requires_grad_()
-    loss = reference_of_logits(options)(logits, t)
-    g, = torch.autograd.grad(loss, logits)
+    x, w, b, logits, loss, g = float64_d_logits(reference_of_logits(options), inputs)
     # Each logit's variance: its own rounding, x's and w's through the sum, and b's.
-    spread = logits.detach() ** 2 + 2 * (x ** 2) @ (w ** 2).t() + b ** 2
+    spread = logits ** 2 + 2 * (x ** 2) @ (w ** 2).t() + b ** 2
     u = torch.finfo(torch.bfloat16).eps / 2
     return 6 * u / math.sqrt(3) * (g ** 2 * spread).sum().sqrt().item() / abs(loss.item())
 
