@@ -618,7 +618,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   }
   __syncthreads();  // the barriers are initialized before any thread uses them
   wait_for_previous_kernel();
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0: the compiler then knows it is warp-uniform and keeps the consumer's
+  // stage and descriptor arithmetic in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     registers_decrease<kGemmProducerRegisters>();
     if (threadIdx.x == 0) gemm_produce(&a_map, &b_map, tiles, shared);
