@@ -108,11 +108,16 @@ __global__ void __launch_bounds__(kChunkThreads) logit_chunk_stats_kernel(LogitC
       others *= rescale;
       m = pack_max;
     }
+    // Where the lane's max is -inf so is every value of the pack: exp relative to 0 gives their 0s
+    // (relative to -inf, NaN); elsewhere exp(-inf - m) is 0 already.
+    const acc_t m_exp = m == -infinity<acc_t>() ? acc_t(0) : m;
+    const int64_t t_in_pack = t - i;  // k == t_in_pack at the target: one 64-bit difference a pack
+    const int target_k = t_in_pack >= 0 && t_in_pack < VEC ? static_cast<int>(t_in_pack) : -1;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const acc_t e = v[k] == -infinity<acc_t>() ? acc_t(0) : exp_minus<T>(v[k], m);
+      const acc_t e = exp_minus<T>(v[k], m_exp);
       s += e;
-      others += i + k == t ? acc_t(0) : e;
+      if (k != target_k) others += e;
       if (entropy && e != acc_t(0)) spread += e * (v[k] - m);
     }
   });
