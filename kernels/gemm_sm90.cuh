@@ -330,55 +330,73 @@ __device__ __forceinline__ void gemm_produce(const void* a_map, const void* b_ma
   }
 }
 
-// A consumer warp's 16 x kColumns sums of one tile into C, through its staging buffer: a lane
-// holds rows r = lane / 4 and r + 8, columns 8j + 2 (lane % 4) + {0, 1} for j < kColumns / 8 (the
-// wgmma layout), which written straight to C would be 8-byte pieces. In pieces of kPiece columns:
-// pairs into the buffer (16 B chunk index XOR row % 8: the 32 lanes hit 32 banks), then each
-// row's 2 kPiece contiguous bytes are stored by kPiece / 8 lanes, 16 B each.
-template <typename T, int kColumns, int kPiece>
-__device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging, T* c,
-                                                     const GemmTiles& tiles, int row0, int col0) {
-  constexpr int kChunks = kPiece / 8;  // 16 B chunks of a staged row, and lanes that store one
-  constexpr int kRowBytes = 2 * kPiece;
-  constexpr int kRowsAtOnce = 32 / kChunks;
-  static_assert(kColumns % kPiece == 0 && kChunks % 8 == 0 && kChunks <= 32, "pieces of whole swizzle rows");
+// A consumer warp's 16 x kColumns sums of one tile go out through its staging buffer, a piece of
+// kGemmStagingColumns at a time: a lane holds rows r = lane / 4 and r + 8, columns 8j + 2 (lane % 4)
+// + {0, 1} for j < kColumns / 8 (the wgmma layout), which written straight to C would be 8-byte
+// pieces. A piece's pairs are rounded to T into the buffer (16 B chunk index XOR row % 8: the 32
+// lanes hit 32 banks); from there each row's 128 contiguous bytes are stored by 8 lanes, 16 B each,
+// or read in order by the statistics.
+constexpr int kGemmPieceChunks = kGemmStagingColumns / 8;  // 16 B chunks of a staged row
+constexpr int kGemmPieceRowBytes = 2 * kGemmStagingColumns;
+static_assert(kGemmPieceChunks % 8 == 0 && kGemmPieceChunks <= 32, "pieces of whole swizzle rows");
+
+__device__ __forceinline__ int gemm_staged_offset(int r, int chunk) {
+  return r * kGemmPieceRowBytes + ((chunk ^ (r % 8)) * 16);
+}
+
+template <typename T, int kColumns>
+__device__ __forceinline__ void gemm_stage_piece(const float (&d)[kColumns / 2], unsigned char* staging, int piece) {
   const int lane = threadIdx.x % 32;
-  const int quad_row = lane / 4;
+#pragma unroll
+  for (int jj = 0; jj < kGemmPieceChunks; ++jj) {
+    const int j = kGemmPieceChunks * piece + jj;
+#pragma unroll
+    for (int upper = 0; upper < 2; ++upper) {
+      const int r = lane / 4 + 8 * upper;
+      *reinterpret_cast<uint32_t*>(staging + gemm_staged_offset(r, jj) + 4 * (lane % 4)) =
+          pack_pair<T>(d[4 * j + 2 * upper], d[4 * j + 2 * upper + 1]);
+    }
+  }
+}
+
+// The staged piece's 16 rows into C at (row0, col), within C's m rows and n columns.
+template <typename T>
+__device__ __forceinline__ void gemm_store_staged_piece(const unsigned char* staging, T* c, const GemmTiles& tiles,
+                                                        int row0, int col) {
+  constexpr int kRowsAtOnce = 32 / kGemmPieceChunks;
+  const int lane = threadIdx.x % 32;
   const bool full_chunks = tiles.ldc % 8 == 0 && reinterpret_cast<uintptr_t>(c) % 16 == 0;
 #pragma unroll
-  for (int piece = 0; piece < kColumns / kPiece; ++piece) {
+  for (int i = 0; i < 16 / kRowsAtOnce; ++i) {
+    const int r = kRowsAtOnce * i + lane / kGemmPieceChunks;
+    const int chunk = lane % kGemmPieceChunks;
+    const uint4 value = *reinterpret_cast<const uint4*>(staging + gemm_staged_offset(r, chunk));
+    const int row = row0 + r;
+    const int chunk_col = col + 8 * chunk;
+    if (row >= tiles.m || chunk_col >= tiles.n) continue;
+    T* out = c + int64_t(row) * tiles.ldc + chunk_col;
+    if (full_chunks && chunk_col + 8 <= tiles.n) {
+      *reinterpret_cast<uint4*>(out) = value;
+    } else {  // the ragged last columns, or a C whose rows are not 16 B-aligned: 2 B at a time
+      const uint32_t words[4] = {value.x, value.y, value.z, value.w};
 #pragma unroll
-    for (int jj = 0; jj < kChunks; ++jj) {
-      const int j = kChunks * piece + jj;
-#pragma unroll
-      for (int upper = 0; upper < 2; ++upper) {
-        const int r = quad_row + 8 * upper;
-        const int offset = r * kRowBytes + ((jj ^ (r % 8)) * 16) + 4 * (lane % 4);
-        *reinterpret_cast<uint32_t*>(staging + offset) = pack_pair<T>(d[4 * j + 2 * upper], d[4 * j + 2 * upper + 1]);
+      for (int e = 0; e < 8; ++e) {
+        const uint16_t element = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
+        if (chunk_col + e < tiles.n) reinterpret_cast<uint16_t*>(out)[e] = element;
       }
     }
+  }
+}
+
+template <typename T, int kColumns>
+__device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging, T* c,
+                                                     const GemmTiles& tiles, int row0, int col0) {
+  static_assert(kColumns % kGemmStagingColumns == 0, "whole pieces");
+#pragma unroll
+  for (int piece = 0; piece < kColumns / kGemmStagingColumns; ++piece) {
+    gemm_stage_piece<T, kColumns>(d, staging, piece);
     __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 16 / kRowsAtOnce; ++i) {
-      const int r = kRowsAtOnce * i + lane / kChunks;
-      const int chunk = lane % kChunks;
-      const int offset = r * kRowBytes + ((chunk ^ (r % 8)) * 16);
-      const uint4 value = *reinterpret_cast<const uint4*>(staging + offset);
-      const int row = row0 + r;
-      const int col = col0 + kPiece * piece + 8 * chunk;
-      if (row >= tiles.m || col >= tiles.n) continue;
-      T* out = c + int64_t(row) * tiles.ldc + col;
-      if (full_chunks && col + 8 <= tiles.n) {
-        *reinterpret_cast<uint4*>(out) = value;
-      } else {  // the ragged last columns, or a C whose rows are not 16 B-aligned: 2 B at a time
-        const uint32_t words[4] = {value.x, value.y, value.z, value.w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const uint16_t element = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
-          if (col + e < tiles.n) reinterpret_cast<uint16_t*>(out)[e] = element;
-        }
-      }
-    }
+    gemm_store_staged_piece<T>(staging, c, tiles, row0, col0 + kGemmStagingColumns * piece);
     __syncwarp();  // the buffer's reads are done before the next piece overwrites it
   }
 }
@@ -395,10 +413,27 @@ __device__ __forceinline__ void gemm_store_warp_rows(const float (&d)[kColumns /
 
 #if FUSED_LOSSES_GEMM_SM90A
 
-// Why: the epilogue's logits must be the product's output, rounded to T, not float32 sums.
+// The bias added to a warp's 16 x kColumns sums (the wgmma layout above) before they are rounded.
+template <typename T, int kColumns>
+__device__ __forceinline__ void gemm_add_bias_warp_rows(float (&d)[kColumns / 2], const T* bias,
+                                                        const GemmTiles& tiles, int col0) {
+  const int lane_col0 = col0 + 2 * (threadIdx.x % 32 % 4);
+  const int in_c = tiles.n - lane_col0;  // column 8j + e of this lane's is in C while 8j + e < in_c
+  bias += lane_col0;
+#pragma unroll
+  for (int j = 0; j < kColumns / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float b = 8 * j + e < in_c ? static_cast<float>(bias[8 * j + e]) : 0.f;
+      d[4 * j + e] += b;
+      d[4 * j + 2 + e] += b;
+    }
+  }
+}
+
+// A staged pair (T's bits) as two floats.
 template <typename T>
-__device__ __forceinline__ void round_pair_to(float& lo, float& hi) {
-  const uint32_t pair = pack_pair<T>(lo, hi);
+__device__ __forceinline__ void unpack_pair(uint32_t pair, float& lo, float& hi) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     lo = __uint_as_float(pair << 16);
     hi = __uint_as_float(pair & 0xffff0000u);
@@ -409,82 +444,137 @@ __device__ __forceinline__ void round_pair_to(float& lo, float& hi) {
   }
 }
 
-// A consumer warp's 16 rows of one tile into partials[tile_n]: a lane holds rows r = lane / 4 and
-// r + 8, kColumns / 4 columns each (gemm_store_warp_rows' layout); its quad (4 lanes) holds a
-// row's kColumns. Two passes over the registers: u written over the sums and the max, then the
-// sums; each reduced over the quad (the same bits in its 4 lanes: max and + commute), written by
-// lane % 4 == 0.
+// A lane's statistics of one row over the values it has seen, relative to their max m (the row
+// passes' form), folded 8 values at a time: m moves at most once a chunk, the sums rescaled to it.
+template <typename T>
+struct StagedRowStats {
+  float m = -infinity<float>(), sum = 0.f, others = 0.f, target_u = 0.f, logit_sum = 0.f, spread = 0.f;
+
+  // Onto max (>= m, or NaN): the sums scaled by exp(m - max), the entropy's sum shifted with them.
+  __device__ __forceinline__ void move_to(float max, bool entropy) {
+    if (max == m) return;
+    const float scale = exp_minus<T>(m, max);  // 0 from m = -inf (nothing seen)
+    if (entropy) spread = sum == 0.f ? 0.f : (spread + (m - max) * sum) * scale;
+    sum *= scale;
+    others *= scale;
+    m = max;
+  }
+
+  // A chunk's 8 values u (those from `valid` on are not classes: left out); t: the target's index
+  // in the chunk, if there.
+  template <bool kRagged>
+  __device__ __forceinline__ void fold(const float (&u)[8], int valid, int t, bool entropy) {
+    float max = m;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (!kRagged || e < valid) max = max_acc(max, u[e]);
+    }
+    move_to(max, entropy);
+    const float base = m == -infinity<float>() ? 0.f : m;  // every value so far -inf: exp(-inf - 0) = 0
+    float ex[8];
+    float chunk_sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      ex[e] = !kRagged || e < valid ? exp_minus<T>(u[e], base) : 0.f;
+      chunk_sum += ex[e];
+      if (!kRagged || e < valid) logit_sum += u[e];
+    }
+    sum += chunk_sum;
+    if (t >= 0 && t < (kRagged ? valid : 8)) {  // others without the target's term: nothing cancels
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (e == t) {
+          target_u = u[e];
+        } else {
+          others += ex[e];
+        }
+      }
+    } else {
+      others += chunk_sum;
+    }
+    if (entropy) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (ex[e] != 0.f) spread += ex[e] * (u[e] - base);
+      }
+    }
+  }
+
+  // Another lane's statistics of the same row added.
+  __device__ __forceinline__ void add(StagedRowStats other, bool entropy) {
+    const float max = max_acc(m, other.m);
+    move_to(max, entropy);
+    other.move_to(max, entropy);
+    sum += other.sum;
+    others += other.others;
+    target_u += other.target_u;
+    logit_sum += other.logit_sum;
+    spread += other.spread;
+  }
+};
+
+// A consumer warp's 16 rows of one tile into partials[tile_n], from the staged pieces (the logits
+// rounded to T, as a product's output is: the statistics are those of eager's logits): a lane takes
+// row lane / 2 and the half (lane % 2) of each piece's 64 columns; the two lanes of a row are added
+// at the end and lane % 2 == 0 writes. (Folded in the wgmma layout, from registers, the epilogue was
+// twice the code, ~30 instructions a value, and longer than a short main loop: notes v59.)
 template <typename T, int kColumns>
-__device__ __forceinline__ void gemm_row_stats_warp_rows(float (&d)[kColumns / 2], const GemmRowStats& out,
-                                                         const GemmTiles& tiles, int row0, int col0, int tile_n) {
+__device__ __forceinline__ void gemm_row_stats_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging,
+                                                         const GemmRowStats& out, const GemmTiles& tiles, int row0,
+                                                         int col0, int tile_n) {
+  constexpr int kHalf = kGemmStagingColumns / 2;
   const int lane = threadIdx.x % 32;
+  const int r = lane / 2, half = lane % 2;
+  const int row = row0 + r;
+  const bool row_ok = row < tiles.m;
+  const bool entropy = out.stat_rows == 6;
   const Softcap<T> softcap(out.softcap, out.softcap_inverse);
   const float s = out.inverse_temperature;
-  // Columns from this lane's first, col0 + 2 (lane % 4): column 8j + e is in C while 8j + e < in_c,
-  // so each mask compares with a constant (a register a column would not fit beside the sums).
-  const int lane_col0 = col0 + 2 * (lane % 4);
-  const int in_c = tiles.n - lane_col0;
-  const T* bias = out.bias == nullptr ? nullptr : static_cast<const T*>(out.bias) + lane_col0;
+  // The target's column from the tile's first, or -1 (a class elsewhere, or none: e.g. -100).
+  const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;
+  const int target = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
+  StagedRowStats<T> stats;
 #pragma unroll
-  for (int upper = 0; upper < 2; ++upper) {
-    const int row = row0 + lane / 4 + 8 * upper;
-    const bool row_ok = row < tiles.m;
-    // The target's column, from this lane's first, where this lane holds it; else -1.
-    const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - lane_col0 : -1;
-    const int t = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
-    float m = -infinity<float>();
+  for (int piece = 0; piece < kColumns / kGemmStagingColumns; ++piece) {
+    const int piece_col = kGemmStagingColumns * piece;
+    gemm_stage_piece<T, kColumns>(d, staging, piece);
+    __syncwarp();
+#pragma unroll 1
+    for (int i = 0; i < kHalf / 8; ++i) {
+      const int chunk = (kHalf / 8) * half + i;
+      const int first = piece_col + 8 * chunk;  // the chunk's first column in the tile
+      const uint4 value = *reinterpret_cast<const uint4*>(staging + gemm_staged_offset(r, chunk));
+      const uint32_t words[4] = {value.x, value.y, value.z, value.w};
+      float u[8];
 #pragma unroll
-    for (int j = 0; j < kColumns / 8; ++j) {
-      float lo = d[4 * j + 2 * upper], hi = d[4 * j + 2 * upper + 1];
-      if (bias != nullptr) {
-        lo += 8 * j < in_c ? static_cast<float>(bias[8 * j]) : 0.f;
-        hi += 8 * j + 1 < in_c ? static_cast<float>(bias[8 * j + 1]) : 0.f;
-      }
-      round_pair_to<T>(lo, hi);
-      lo = softcap.apply(lo) * s;
-      hi = softcap.apply(hi) * s;
-      d[4 * j + 2 * upper] = lo;
-      d[4 * j + 2 * upper + 1] = hi;
-      if (8 * j < in_c) m = max_acc(m, lo);
-      if (8 * j + 1 < in_c) m = max_acc(m, hi);
-    }
-    m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = max_acc(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    float sum = 0.f, others = 0.f, target_u = 0.f, logit_sum = 0.f, spread = 0.f;
+      for (int w = 0; w < 4; ++w) unpack_pair<T>(words[w], u[2 * w], u[2 * w + 1]);
 #pragma unroll
-    for (int j = 0; j < kColumns / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (8 * j + e >= in_c) continue;
-        const float u = d[4 * j + 2 * upper + e];
-        const float ex = u == -infinity<float>() ? 0.f : exp_minus<T>(u, m);
-        sum += ex;
-        logit_sum += u;
-        if (8 * j + e == t) {
-          target_u = u;
-        } else {
-          others += ex;
-        }
-        if (ex != 0.f) spread += ex * (u - m);
+      for (int e = 0; e < 8; ++e) u[e] = softcap.apply(u[e]) * s;
+      const int valid = tiles.n - (col0 + first);
+      if (valid >= 8) {
+        stats.template fold<false>(u, valid, target - first, entropy);
+      } else if (valid > 0) {
+        stats.template fold<true>(u, valid, target - first, entropy);
       }
     }
-#pragma unroll
-    for (int mask = 1; mask <= 2; mask *= 2) {
-      sum += __shfl_xor_sync(0xffffffffu, sum, mask);
-      others += __shfl_xor_sync(0xffffffffu, others, mask);
-      target_u += __shfl_xor_sync(0xffffffffu, target_u, mask);
-      logit_sum += __shfl_xor_sync(0xffffffffu, logit_sum, mask);
-      spread += __shfl_xor_sync(0xffffffffu, spread, mask);
-    }
-    if (lane % 4 != 0 || !row_ok) continue;
-    float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
-    partial[0] = m;
-    partial[int64_t(tiles.m)] = sum;
-    partial[2 * int64_t(tiles.m)] = target_u;
-    partial[3 * int64_t(tiles.m)] = logit_sum;
-    partial[4 * int64_t(tiles.m)] = others;
-    if (out.stat_rows == 6) partial[5 * int64_t(tiles.m)] = spread;
+    __syncwarp();  // the buffer's reads are done before the next piece overwrites it
   }
+  StagedRowStats<T> other;
+  other.m = __shfl_xor_sync(0xffffffffu, stats.m, 1);
+  other.sum = __shfl_xor_sync(0xffffffffu, stats.sum, 1);
+  other.others = __shfl_xor_sync(0xffffffffu, stats.others, 1);
+  other.target_u = __shfl_xor_sync(0xffffffffu, stats.target_u, 1);
+  other.logit_sum = __shfl_xor_sync(0xffffffffu, stats.logit_sum, 1);
+  other.spread = __shfl_xor_sync(0xffffffffu, stats.spread, 1);
+  if (half != 0 || !row_ok) return;
+  stats.add(other, entropy);
+  float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
+  partial[0] = stats.m;
+  partial[int64_t(tiles.m)] = stats.sum;
+  partial[2 * int64_t(tiles.m)] = stats.target_u;
+  partial[3 * int64_t(tiles.m)] = stats.logit_sum;
+  partial[4 * int64_t(tiles.m)] = stats.others;
+  if (entropy) partial[5 * int64_t(tiles.m)] = stats.spread;
 }
 
 #endif  // FUSED_LOSSES_GEMM_SM90A
@@ -497,7 +587,7 @@ struct GemmStoreTile {
 #if FUSED_LOSSES_GEMM_SM90A
   __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char* staging, const GemmTiles& tiles,
                                              int row0, int col0, int) const {
-    gemm_store_warp_rows<T, kGemmTileN, kGemmStagingColumns>(d, staging, c, tiles, row0, col0);
+    gemm_store_warp_rows<T, kGemmTileN>(d, staging, c, tiles, row0, col0);
   }
 #endif
 };
@@ -506,9 +596,10 @@ template <typename T>
 struct GemmRowStatsTile {
   GemmRowStats out;
 #if FUSED_LOSSES_GEMM_SM90A
-  __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char*, const GemmTiles& tiles, int row0,
-                                             int col0, int tile_n) const {
-    gemm_row_stats_warp_rows<T, kGemmTileN>(d, out, tiles, row0, col0, tile_n);
+  __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char* staging, const GemmTiles& tiles,
+                                             int row0, int col0, int tile_n) const {
+    if (out.bias != nullptr) gemm_add_bias_warp_rows<T, kGemmTileN>(d, static_cast<const T*>(out.bias), tiles, col0);
+    gemm_row_stats_warp_rows<T, kGemmTileN>(d, staging, out, tiles, row0, col0, tile_n);
   }
 #endif
 };

@@ -305,21 +305,25 @@ def test_combine_row_stats_is_combine_tiles(builds, stat_rows):
     torch.testing.assert_close(one, row_passes.combine_tiles(partials[:1]), rtol=0, atol=0, equal_nan=True)
 
 
-def test_fused_statistics_of_a_vocabulary_shard(builds, monkeypatch):
+@pytest.mark.parametrize("end", [5000, 4077])
+def test_fused_statistics_of_a_vocabulary_shard(builds, end, monkeypatch):
     """fold_linear on a shard of the classes (start > 0: targets are global, those outside the shard match
-    none of its columns) gives the cuBLAS chunks' statistics; operands on a grid of 1/4 (exact logits)."""
+    none of its columns, nor, with end 4077, the columns past its last class in its last tile) gives the
+    cuBLAS chunks' statistics; operands on a grid of 1/4 (exact logits)."""
     import linear_cross_entropy
     x, w, _ = exact_operands(300, 5000, 24, torch.bfloat16, 13)
     target = targets(300, 5000)
     start = 1000
-    assert linear_cross_entropy.fused_product(x, w[start:], None)
-    fused = linear_cross_entropy.fold_linear(x, w[start:], None, target, start, 0.0, 0.7, 6)
+    shard = w[start:end]
+    assert linear_cross_entropy.fused_product(x, shard, None)
+    fused = linear_cross_entropy.fold_linear(x, shard, None, target, start, 0.0, 0.7, 6)
     monkeypatch.setattr(linear_cross_entropy, "fused_product", lambda *arguments: False)
-    chunks = linear_cross_entropy.fold_linear(x, w[start:], None, target, start, 0.0, 0.7, 6)
+    chunks = linear_cross_entropy.fold_linear(x, shard, None, target, start, 0.0, 0.7, 6)
     others = [0, 1, 2, 4, 5]  # row 3's signed sum on each row's sum |u| (logit_sum_scale)
     torch.testing.assert_close(fused[others], chunks[others], rtol=1e-5, atol=1e-5)
-    assert ((fused[3] - chunks[3]).abs() <= 4e-6 * logit_sum_scale(x.float() @ w[start:].float().T, 0.0, 0.7)).all()
-    assert (fused[2][target < start] == 0).all()  # a target outside the shard: no u of it here
+    assert ((fused[3] - chunks[3]).abs() <= 4e-6 * logit_sum_scale(x.float() @ shard.float().T, 0.0, 0.7)).all()
+    outside = (target < start) | (target >= end)
+    assert outside.any() and (fused[2][outside] == 0).all()  # a target outside the shard: no u of it here
 
 
 def test_rows_that_overlap_take_the_cublas_chunks():
