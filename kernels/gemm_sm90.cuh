@@ -61,6 +61,7 @@
 #endif
 
 #include "device.cuh"
+#include "row_stats_combine.cuh"  // TileStatsPart, add_part_at: the epilogue folds as the combine does
 #include "sm90.cuh"
 
 // The arch-specific instructions (wgmma, setmaxnreg) are in this build only for compute_90a;
@@ -444,74 +445,52 @@ __device__ __forceinline__ void unpack_pair(uint32_t pair, float& lo, float& hi)
   }
 }
 
-// A lane's statistics of one row over the values it has seen, relative to their max m (the row
-// passes' form), folded 8 values at a time: m moves at most once a chunk, the sums rescaled to it.
-template <typename T>
-struct StagedRowStats {
-  float m = -infinity<float>(), sum = 0.f, others = 0.f, target_u = 0.f, logit_sum = 0.f, spread = 0.f;
-
-  // Onto max (>= m, or NaN): the sums scaled by exp(m - max), the entropy's sum shifted with them.
-  __device__ __forceinline__ void move_to(float max, bool entropy) {
-    if (max == m) return;
-    const float scale = exp_minus<T>(m, max);  // 0 from m = -inf (nothing seen)
-    if (entropy) spread = sum == 0.f ? 0.f : (spread + (m - max) * sum) * scale;
-    sum *= scale;
-    others *= scale;
-    m = max;
+// A chunk's 8 values u folded into a lane's statistics of its row (row_stats_combine.cuh's
+// TileStatsPart, relative to its max): the max moves at most once a chunk, the sums moved onto it
+// by add_part_at. Values from `valid` on are not classes (left out); t: the target's index in the
+// chunk, if there.
+template <typename T, bool kRagged>
+__device__ __forceinline__ void fold_chunk(TileStatsPart& stats, const float (&u)[8], int valid, int t,
+                                           bool entropy) {
+  float max = stats.max;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    if (!kRagged || e < valid) max = max_acc(max, u[e]);
   }
-
-  // A chunk's 8 values u (those from `valid` on are not classes: left out); t: the target's index
-  // in the chunk, if there.
-  template <bool kRagged>
-  __device__ __forceinline__ void fold(const float (&u)[8], int valid, int t, bool entropy) {
-    float max = m;
+  if (max != stats.max) {
+    TileStatsPart moved{max, 0.f, 0.f, 0.f, 0.f, 0.f};
+    add_part_at(moved, stats, max, entropy);
+    stats = moved;
+  }
+  const float base = max == -infinity<float>() ? 0.f : max;  // every value so far -inf: exp(-inf - 0) = 0
+  float ex[8];
+  float chunk_sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ex[e] = !kRagged || e < valid ? exp_minus<T>(u[e], base) : 0.f;
+    chunk_sum += ex[e];
+    if (!kRagged || e < valid) stats.logit_sum += u[e];
+  }
+  stats.sum += chunk_sum;
+  if (t >= 0 && t < (kRagged ? valid : 8)) {  // others without the target's term: nothing cancels
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (!kRagged || e < valid) max = max_acc(max, u[e]);
+      if (e == t) {
+        stats.target = u[e];
+      } else {
+        stats.others += ex[e];
+      }
     }
-    move_to(max, entropy);
-    const float base = m == -infinity<float>() ? 0.f : m;  // every value so far -inf: exp(-inf - 0) = 0
-    float ex[8];
-    float chunk_sum = 0.f;
+  } else {
+    stats.others += chunk_sum;
+  }
+  if (entropy) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      ex[e] = !kRagged || e < valid ? exp_minus<T>(u[e], base) : 0.f;
-      chunk_sum += ex[e];
-      if (!kRagged || e < valid) logit_sum += u[e];
-    }
-    sum += chunk_sum;
-    if (t >= 0 && t < (kRagged ? valid : 8)) {  // others without the target's term: nothing cancels
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        if (e == t) {
-          target_u = u[e];
-        } else {
-          others += ex[e];
-        }
-      }
-    } else {
-      others += chunk_sum;
-    }
-    if (entropy) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        if (ex[e] != 0.f) spread += ex[e] * (u[e] - base);
-      }
+      if (ex[e] != 0.f) stats.spread += ex[e] * (u[e] - base);
     }
   }
-
-  // Another lane's statistics of the same row added.
-  __device__ __forceinline__ void add(StagedRowStats other, bool entropy) {
-    const float max = max_acc(m, other.m);
-    move_to(max, entropy);
-    other.move_to(max, entropy);
-    sum += other.sum;
-    others += other.others;
-    target_u += other.target_u;
-    logit_sum += other.logit_sum;
-    spread += other.spread;
-  }
-};
+}
 
 // A consumer warp's 16 rows of one tile into partials[tile_n], from the staged pieces (the logits
 // rounded to T, as a product's output is: the statistics are those of eager's logits): a lane takes
@@ -533,7 +512,7 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(const float (&d)[kColum
   // The target's column from the tile's first, or -1 (a class elsewhere, or none: e.g. -100).
   const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;
   const int target = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
-  StagedRowStats<T> stats;
+  TileStatsPart stats{-infinity<float>(), 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int piece = 0; piece < kColumns / kGemmStagingColumns; ++piece) {
     const int piece_col = kGemmStagingColumns * piece;
@@ -552,29 +531,30 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(const float (&d)[kColum
       for (int e = 0; e < 8; ++e) u[e] = softcap.apply(u[e]) * s;
       const int valid = tiles.n - (col0 + first);
       if (valid >= 8) {
-        stats.template fold<false>(u, valid, target - first, entropy);
+        fold_chunk<T, false>(stats, u, valid, target - first, entropy);
       } else if (valid > 0) {
-        stats.template fold<true>(u, valid, target - first, entropy);
+        fold_chunk<T, true>(stats, u, valid, target - first, entropy);
       }
     }
     __syncwarp();  // the buffer's reads are done before the next piece overwrites it
   }
-  StagedRowStats<T> other;
-  other.m = __shfl_xor_sync(0xffffffffu, stats.m, 1);
-  other.sum = __shfl_xor_sync(0xffffffffu, stats.sum, 1);
-  other.others = __shfl_xor_sync(0xffffffffu, stats.others, 1);
-  other.target_u = __shfl_xor_sync(0xffffffffu, stats.target_u, 1);
-  other.logit_sum = __shfl_xor_sync(0xffffffffu, stats.logit_sum, 1);
-  other.spread = __shfl_xor_sync(0xffffffffu, stats.spread, 1);
+  const TileStatsPart other{__shfl_xor_sync(0xffffffffu, stats.max, 1), __shfl_xor_sync(0xffffffffu, stats.sum, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.target, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.logit_sum, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.others, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.spread, 1)};
   if (half != 0 || !row_ok) return;
-  stats.add(other, entropy);
+  const float max = max_acc(stats.max, other.max);
+  TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
+  add_part_at(total, stats, max, entropy);
+  add_part_at(total, other, max, entropy);
   float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
-  partial[0] = stats.m;
-  partial[int64_t(tiles.m)] = stats.sum;
-  partial[2 * int64_t(tiles.m)] = stats.target_u;
-  partial[3 * int64_t(tiles.m)] = stats.logit_sum;
-  partial[4 * int64_t(tiles.m)] = stats.others;
-  if (entropy) partial[5 * int64_t(tiles.m)] = stats.spread;
+  partial[0] = total.max;
+  partial[int64_t(tiles.m)] = total.sum;
+  partial[2 * int64_t(tiles.m)] = total.target;
+  partial[3 * int64_t(tiles.m)] = total.logit_sum;
+  partial[4 * int64_t(tiles.m)] = total.others;
+  if (entropy) partial[5 * int64_t(tiles.m)] = total.spread;
 }
 
 #endif  // FUSED_LOSSES_GEMM_SM90A

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kCombineRows * kCombineParts)
   if (spread) stats[5 * rows + row] = total.spread;
 }
 
-// ops.h declares it: this header's one includer is linear_ce_gemm.cu.
+// ops.h declares it: this header is in linear_ce_gemm.cu's build alone (directly and through gemm_sm90.cuh).
 void combine_row_stats_launch(const float* partials, float* stats, int64_t tiles, int stat_rows, int64_t rows,
                               const LaunchContext& context) {
   if (rows == 0) return;
