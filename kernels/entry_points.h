@@ -502,12 +502,14 @@ inline LogitChunkCall logit_chunk_call(const at::Tensor& logits, const at::Tenso
   return call;
 }
 
-inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits, int64_t leading, const char* name) {
+// message: a literal (a message formatted in the extension crashed the process on one toolchain instead of
+// raising: notes, v54).
+inline void check_row_tensor(const at::Tensor& tensor, const at::Tensor& logits, int64_t leading,
+                             const char* message) {
   const auto acc = accumulation_type(logits.scalar_type());
   TORCH_CHECK(tensor.device() == logits.device() && tensor.scalar_type() == acc && tensor.is_contiguous() &&
                   tensor.numel() == leading * logits.size(0),
-              "row_passes: ", name, " must hold ", leading, " x rows contiguous values of the "
-              "accumulation type on the logits' device");
+              message);
 }
 
 // Forward: folds the chunk into stats (5, rows): running max, sum of exp, target logit, logit
@@ -516,7 +518,9 @@ inline FUSED_LOSSES_ROW_PASSES_FORWARD_RETURNS row_passes_forward(FUSED_LOSSES_R
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap, temperature);
   call.entropy = stats.dim() == 2 && stats.size(0) == 6;
-  check_row_tensor(stats, logits, call.entropy ? 6 : 5, "stats");
+  check_row_tensor(stats, logits, call.entropy ? 6 : 5,
+                   "row_passes: stats must be (5 or 6, rows), contiguous, of the accumulation type, on the logits' "
+                   "device");
   call.stats = stats.data_ptr();
   run_kernels([&] { logit_chunk_stats_launch(call, context.launch()); });
 }
@@ -530,15 +534,21 @@ inline FUSED_LOSSES_ROW_PASSES_BACKWARD_RETURNS row_passes_backward(FUSED_LOSSES
   CallContext context(logits);
   LogitChunkCall call = logit_chunk_call(logits, target, class_start, classes, softcap, temperature);
   if (entropy_scale.has_value() && entropy_scale->defined()) {
-    check_row_tensor(*entropy_scale, logits, 1, "entropy_scale");
+    check_row_tensor(*entropy_scale, logits, 1,
+                     "row_passes: entropy_scale must be (rows,), contiguous, of the accumulation type, on the "
+                     "logits' device");
     call.entropy = true;
     call.entropy_scale = entropy_scale->data_ptr();
   }
   TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
                   grad.device() == logits.device() && grad.is_contiguous(),
               "row_passes: grad must be contiguous, of the logits' shape, dtype and device");
-  check_row_tensor(softmax_stats, logits, call.entropy ? 4 : 3, "softmax_stats");
-  check_row_tensor(row_scale, logits, 1, "row_scale");
+  check_row_tensor(softmax_stats, logits, call.entropy ? 4 : 3,
+                   "row_passes: softmax_stats must be (3, rows), or (4, rows) with entropy_scale, contiguous, of the "
+                   "accumulation type, on the logits' device");
+  check_row_tensor(row_scale, logits, 1,
+                   "row_passes: row_scale must be (rows,), contiguous, of the accumulation type, on the logits' "
+                   "device");
   if (class_count.has_value() && class_count->defined()) {
     TORCH_CHECK(class_count->numel() == 1 && class_count->scalar_type() == softmax_stats.scalar_type() &&
                     class_count->device() == logits.device(),
