@@ -159,6 +159,13 @@ def fused_product(x, weight, bias) -> bool:
         x.shape[1] % 8 == 0
 
 
+def build_together(rows, weight, bias, wants, schedule: str) -> None:
+    """A first call that needs two builds (the classes schedule's fused statistics, then its row passes' gradient)
+    has them built side by side, not one after the other."""
+    if schedule == "classes" and any(wants) and fused_product(rows, weight, bias):
+        helpers.loader.load_together_for_device(("linear_ce_gemm", "row_passes"), rows.device, rows.dtype)
+
+
 def fold_linear(x, weight, bias, target, start: int, softcap: float, temperature: float = 1.0,
                 stat_rows: int = row_passes.STAT_ROWS):
     """The statistics of F.linear(x, weight, bias)'s rows, classes [start, start + V) of weight's V
@@ -699,6 +706,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
             divisor = torch.as_tensor(divisor).to(device=input.device, dtype=helpers.accumulation_dtype(input.dtype))
         schedule = choose_schedule(wants, reduction, weight.dtype, input.dtype, shards, softcap or 0.0,
                                    **schedule_options)
+        build_together(rows, weight, bias, wants, schedule)
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature), reduction,
             shards, schedule, wants, allow_retain_graph))
@@ -816,6 +824,7 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
         # A frozen head's d input in the forward (eager: a compiled graph keeps the chunks of classes).
         schedule = "classes" if helpers.is_compiling() else choose_schedule(wants, "none", weight.dtype, rows.dtype,
                                                                             shards, softcap or 0.0)
+        build_together(rows, weight, bias, wants, schedule)
         values, entropy = LinearLogProbsFunction.apply(rows, weight, bias, rows_target, (
             int(ignore_index), float(softcap or 0.0), float(temperature), bool(return_entropy), shards, wants,
             schedule))

@@ -532,6 +532,20 @@ def load_for_device(name: str, device: torch.device, dtype: torch.dtype):
     return ops
 
 
+def load_together_for_device(names, device: torch.device, dtype: torch.dtype) -> None:
+    """load_for_device of each of `names`, those not loaded yet side by side (each build its own compiler
+    processes): a first call that needs several builds waits for the longest, not their sum."""
+    missing = [name for name in names if (name, device.index, dtype) not in _loaded_for_device]
+    if len(missing) < 2 or TORCH_READS_ARCH_LIST:
+        return  # load_for_device at first use, as ever
+    try:
+        check_toolchain()  # once, before the threads; where a build needs a missing toolkit, its load raises
+    except BuildError:
+        pass
+    with ThreadPoolExecutor(len(missing)) as pool:
+        list(pool.map(lambda name: load_for_device(name, device, dtype), missing))
+
+
 def reload(name: str | None = None) -> None:
     """Forgets loaded builds of `name` (or of every kernel), so the next load re-reads
     the sources: an edited kernel gets a new build, used from then on."""
