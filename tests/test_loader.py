@@ -150,6 +150,29 @@ def test_cache_root_follows_torch_extensions_dir(monkeypatch, tmp_path):
 # Errors that name their fix.
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_builds_a_call_needs_load_side_by_side(monkeypatch):
+    """load_together_for_device loads the builds not yet loaded at once, a thread each (a first linear call's
+    two builds: the longer one's time, not their sum); with one missing it leaves it to its first use."""
+    import threading
+    both_in_flight = threading.Barrier(2, timeout=30)  # a load waits here for the other: one after another breaks it
+    loaded = []
+
+    def load_for_device(name, device, dtype):
+        both_in_flight.wait()
+        loaded.append(name)
+
+    monkeypatch.setattr(loader, "load_for_device", load_for_device)
+    monkeypatch.setattr(loader, "check_toolchain", lambda: None)
+    monkeypatch.setattr(loader, "TORCH_READS_ARCH_LIST", False)
+    device, names = torch.device("cuda", 0), ("linear_ce_gemm", "row_passes")
+    loader.load_together_for_device(names, device, torch.bfloat16)
+    assert sorted(loaded) == sorted(names)
+    loaded.clear()
+    monkeypatch.setitem(loader._loaded_for_device, ("row_passes", 0, torch.bfloat16), object())
+    loader.load_together_for_device(names, device, torch.bfloat16)
+    assert loaded == []
+
+
 def test_no_gpu_and_no_arch_says_to_pass_an_arch():
     with pytest.raises(loader.BuildError, match=r"no CUDA device is visible.*--arch 8.0 9.0"):
         loader.load("mse")
