@@ -72,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -761,6 +762,8 @@ def run_vocab_parallel(reps, warmup) -> dict:
 #   train         bf16 input and weight, gradients of both      floor: 3 products (x w^T, g w, g^T x)
 #   frozen head   bf16, input's gradient alone (LoRA)            floor: 2 (x w^T, g w)
 #   fp32 master   float32 weight under bf16 autocast, both grads floor: 3 (and eager's bf16 copy of w)
+#   accurate      train, ours with acc_policy="accurate" (d weight  floor: 3
+#                 summed in float32, rounded once; the peers as in train)
 #   eval          bf16, no gradient                              floor: 1 (x w^T)
 # The implementations:
 #   floor      the setup's matrix products alone, cuBLAS
@@ -788,18 +791,26 @@ LINEAR_CASES = (("Llama 3", 8192, 4096, 128256, None), ("Llama 3, longer", 16384
 LINEAR_SETUPS = {"train": (torch.bfloat16, (True, True), False, 3),
                  "frozen head": (torch.bfloat16, (True, False), False, 2),
                  "fp32 master": (torch.float32, (True, True), True, 3),
+                 "accurate": (torch.bfloat16, (True, True), False, 3),
                  "eval": (torch.bfloat16, (False, False), False, 1)}
 LINEAR_ROUNDS = 3
 
 
-def linear_ce_impls(softcap) -> dict:
+def accurate_options():
+    """acc_policy="accurate" (d weight summed in float32): torch 2.14's options, or a stand-in where torch has none."""
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    return options(acc_policy="accurate") if options is not None else types.SimpleNamespace(acc_policy="accurate")
+
+
+def linear_ce_impls(softcap, setup: str) -> dict:
     def eager(x, w, t):
         logits = F.linear(x, w)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         return F.cross_entropy(logits, t)
 
-    impls = {"ours": lambda x, w, t: losses.linear_cross_entropy(x, w, t, softcap=softcap),
+    options = accurate_options() if setup == "accurate" else None
+    impls = {"ours": lambda x, w, t: losses.linear_cross_entropy(x, w, t, softcap=softcap, options=options),
              "eager": eager, "compile": fresh_compile(eager)}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -891,7 +902,7 @@ def run_linear_case(name, rows, hidden, vocab, softcap, setup, reps, warmup, tem
     target = torch.randint(0, vocab, (rows,), device="cuda").masked_fill_(torch.rand(rows, device="cuda") < 0.05, -100)
     leaves = [tensor for tensor in (x, w) if tensor.requires_grad]
     grad_bytes = sum(tensor.numel() * tensor.element_size() for tensor in leaves)
-    impls = (linear_ce_impls(softcap) if temperature is None
+    impls = (linear_ce_impls(softcap, setup) if temperature is None
              else rl_impls(temperature, torch.randn(rows, device="cuda")))
 
     def step(loss_fn):
