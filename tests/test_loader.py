@@ -149,7 +149,6 @@ def test_cache_root_follows_torch_extensions_dir(monkeypatch, tmp_path):
 # ----------------------------------------------------------------------------------
 # Errors that name their fix.
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
 def test_builds_a_call_needs_load_side_by_side(monkeypatch):
     """load_together_for_device loads the builds not yet loaded at once, a thread each (a first linear call's
     two builds: the longer one's time, not their sum); with one missing it leaves it to its first use."""
@@ -173,6 +172,7 @@ def test_builds_a_call_needs_load_side_by_side(monkeypatch):
     assert loaded == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
 def test_no_gpu_and_no_arch_says_to_pass_an_arch():
     with pytest.raises(loader.BuildError, match=r"no CUDA device is visible.*--arch 8.0 9.0"):
         loader.load("mse")
