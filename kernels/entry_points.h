@@ -625,8 +625,10 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GEMM_NT_RETURNS linear_ce_gemm_gemm_nt(FUSED_
 // kGemmRowStatsTileColumns), (tiles, stat_rows, m) float32, stat_rows 5 or 6 (row_passes' rows;
 // the tiles combined by the caller). target (m,) int64 or int32 class indices
 // (others, e.g. -100, match no class); bias (n,) of a's dtype or None.
-inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_PARAMS) {
-  GemmCall call = gemm_call(a, b, max_blocks);
+// row_stats' arguments checked, its partials allocated (row_stats and row_stats_training share them).
+inline GemmRowStats row_stats_arguments(const GemmCall& call, const at::Tensor& a, const c10::optional<at::Tensor>& bias,
+                                        const at::Tensor& target, double softcap, double temperature,
+                                        int64_t stat_rows, at::Tensor& partials) {
   TORCH_CHECK_VALUE(call.k > 0, "gemm_row_stats: k must be > 0");
   TORCH_CHECK_VALUE(stat_rows == 5 || stat_rows == 6, "gemm_row_stats: stat_rows must be 5 or 6");
   TORCH_CHECK_VALUE(target.device() == a.device() && target.dim() == 1 && target.size(0) == call.m &&
@@ -641,9 +643,7 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
   }
   TORCH_CHECK_VALUE(temperature > 0 && softcap >= 0, "gemm_row_stats: temperature must be > 0 and softcap >= 0");
   const int64_t tiles_n = (call.n + kGemmRowStatsTileColumns - 1) / kGemmRowStatsTileColumns;
-  at::Tensor partials = at::empty({tiles_n, stat_rows, call.m}, a.options().dtype(at::kFloat));
-  if (call.m == 0 || call.n == 0) return partials;
-  CallContext context(a);
+  partials = at::empty({tiles_n, stat_rows, call.m}, a.options().dtype(at::kFloat));
   stats.partials = partials.data_ptr<float>();
   stats.target = target.data_ptr();
   stats.target_int32 = target.scalar_type() == at::kInt;
@@ -651,8 +651,122 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
   stats.softcap_inverse = softcap > 0 ? static_cast<float>(1 / static_cast<double>(stats.softcap)) : 0.f;
   stats.inverse_temperature = static_cast<float>(1 / temperature);
   stats.stat_rows = static_cast<int>(stat_rows);
+  return stats;
+}
+
+// The fused product's statistics (gemm_sm90.cuh's GemmRowStats): for the logits a @ b.T (+ bias)
+// at softcap and temperature, each row's statistics over each tile of 192 classes (ops.h's
+// kGemmRowStatsTileColumns), (tiles, stat_rows, m) float32, stat_rows 5 or 6 (row_passes' rows;
+// the tiles combined by the caller). target (m,) int64 or int32 class indices
+// (others, e.g. -100, match no class); bias (n,) of a's dtype or None.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_PARAMS) {
+  GemmCall call = gemm_call(a, b, max_blocks);
+  at::Tensor partials;
+  GemmRowStats stats = row_stats_arguments(call, a, bias, target, softcap, temperature, stat_rows, partials);
+  if (call.m == 0 || call.n == 0) return partials;
+  CallContext context(a);
   run_kernels([&] { gemm_row_stats_launch(call, stats, context.launch()); });
   return partials;
+}
+
+// row_stats (5 rows) and the training form d input's product reads (gemm_grad_input): e (m, n) bfloat16, rows
+// 16 B-aligned (its row stride a multiple of 8), E = exp(u - the piece's max) dz'/dz, 0 at the target; piece_max
+// (ceil(n / 64), m) float32.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_RETURNS linear_ce_gemm_row_stats_training(
+    FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_PARAMS) {
+  GemmCall call = gemm_call(a, b, max_blocks);
+  TORCH_CHECK_VALUE(a.scalar_type() == at::kBFloat16, "gemm_row_stats_training: a and b must be bfloat16");
+  at::Tensor partials;
+  GemmRowStats stats = row_stats_arguments(call, a, bias, target, softcap, temperature, 5, partials);
+  TORCH_CHECK_VALUE(e.device() == a.device() && e.dim() == 2 && e.size(0) == call.m && e.size(1) == call.n &&
+                        e.scalar_type() == a.scalar_type() && (e.stride(1) == 1 || call.n <= 1) &&
+                        (e.stride(0) % 8 == 0 || call.m <= 1) && reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0,
+                    "gemm_row_stats_training: e must be (m, n) bfloat16 on a's device, n contiguous, rows 16 B-aligned");
+  TORCH_CHECK_VALUE(piece_max.device() == a.device() && piece_max.scalar_type() == at::kFloat &&
+                        piece_max.dim() == 2 && piece_max.size(0) == (call.n + 63) / 64 &&
+                        piece_max.size(1) == call.m && piece_max.is_contiguous(),
+                    "gemm_row_stats_training: piece_max must be a contiguous (ceil(n / 64), m) float32 tensor");
+  if (call.m == 0 || call.n == 0) return partials;
+  stats.e = e.data_ptr();
+  stats.ld_e = call.m == 1 ? call.n : e.stride(0);
+  stats.piece_max = piece_max.data_ptr<float>();
+  CallContext context(a);
+  run_kernels([&] { gemm_row_stats_launch(call, stats, context.launch()); });
+  return partials;
+}
+
+// d input (m, n) = g w for the logits' gradient g that row_stats_training's e, piece_max and the combined stats
+// ((5, m)) give, for a grad_output of 1 and row_scale (m,), without label
+// smoothing or the entropy's term (gemm_sm90_grad_input.cuh), into out ((m, n) bfloat16, n contiguous).
+// w: (classes, n) bfloat16, n contiguous, rows 16 B-aligned.
+inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
+    FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_PARAMS) {
+  TORCH_CHECK(e.is_cuda() && e.dim() == 2 && w.dim() == 2 && w.device() == e.device() && e.size(1) == w.size(0),
+              "gemm_grad_input: e (m, classes) and w (classes, n) must be 2-D CUDA tensors on one device");
+  TORCH_CHECK_VALUE(e.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+                        out.scalar_type() == at::kBFloat16,
+                    "gemm_grad_input: e, w and out must be bfloat16");
+  const int64_t m = e.size(0), k = e.size(1), n = w.size(1);
+  TORCH_CHECK_VALUE((e.stride(1) == 1 || k <= 1) && (e.stride(0) % 8 == 0 || m <= 1) &&
+                        (w.stride(1) == 1 || n <= 1) && (w.stride(0) % 8 == 0 || k <= 1) && n % 8 == 0 &&
+                        reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+                    "gemm_grad_input: e and w must be contiguous along their rows, rows 16 B-aligned, n % 8 == 0");
+  TORCH_CHECK_VALUE(out.device() == e.device() && out.dim() == 2 && out.size(0) == m && out.size(1) == n &&
+                        (out.stride(1) == 1 || n <= 1) && out.stride(0) % 2 == 0,
+                    "gemm_grad_input: out must be (m, n) on e's device, n contiguous, an even row stride");
+  auto rows_of = [&](const at::Tensor& t, int64_t rows, int64_t columns) {
+    return t.device() == e.device() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+           t.size(0) == rows && t.size(1) == columns;
+  };
+  TORCH_CHECK_VALUE(rows_of(piece_max, (k + 63) / 64, m) && rows_of(stats, 5, m),
+                    "gemm_grad_input: piece_max (ceil(classes / 64), m) and stats (5, m) must be contiguous float32 "
+                    "tensors on e's device");
+  TORCH_CHECK_VALUE(row_scale.device() == e.device() && row_scale.scalar_type() == at::kFloat &&
+                        row_scale.dim() == 1 && row_scale.size(0) == m && row_scale.is_contiguous() &&
+                        target.device() == e.device() && target.dim() == 1 && target.size(0) == m &&
+                        target.is_contiguous() &&
+                        (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
+                    "gemm_grad_input: row_scale (m,) float32 and target (m,) int64 or int32 must be contiguous on "
+                    "e's device");
+  TORCH_CHECK_VALUE(temperature > 0 && softcap >= 0, "gemm_grad_input: temperature must be > 0 and softcap >= 0");
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    out.zero_();
+    return;
+  }
+  CallContext context(e);
+  GemmGradInput call{};
+  call.dtype = dtype_of(e);
+  call.m = m;
+  call.n = n;
+  call.k = k;
+  call.e = e.data_ptr();
+  call.ld_e = m == 1 ? k : e.stride(0);
+  call.w = w.data_ptr();
+  call.ld_w = k == 1 ? n : w.stride(0);
+  call.piece_max = piece_max.data_ptr<float>();
+  call.stats = stats.data_ptr<float>();
+  call.row_scale = row_scale.data_ptr<float>();
+  call.target = target.data_ptr();
+  call.target_int32 = target.scalar_type() == at::kInt;
+  call.z_loss = static_cast<float>(z_loss);
+  call.inverse_temperature = static_cast<float>(1 / temperature);
+  call.softcap = static_cast<float>(softcap);
+  call.softcap_inverse = softcap > 0 ? static_cast<float>(1 / static_cast<double>(call.softcap)) : 0.f;
+  call.out = out.data_ptr();
+  call.ld_out = m == 1 ? n : out.stride(0);
+  call.max_blocks = max_blocks;
+  call.splits = grad_input_splits(m, n, k, static_cast<int>(e.device().index()));
+  at::Tensor partial, flags;
+  if (call.splits > 1) {
+    partial = at::empty({m, n}, e.options().dtype(at::kFloat));
+    const int64_t tiles = ((m + 127) / 128) * ((n + 255) / 256);
+    flags = at::empty({2 * tiles}, e.options().dtype(at::kInt)).zero_();
+    call.partial = partial.data_ptr<float>();
+    call.flags = flags.data_ptr<int>();
+  }
+  run_kernels([&] { gemm_grad_input_launch(call, context.launch()); });
 }
 
 // row_stats' partials (tiles, stat_rows, rows) float32 combined into the rows' statistics (stat_rows,

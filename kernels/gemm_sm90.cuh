@@ -492,6 +492,30 @@ __device__ __forceinline__ void fold_chunk(TileStatsPart& stats, const float (&u
   }
 }
 
+// A row's two lanes (lane % 2) add their parts of a tile (every lane shuffles); where `writes` (the even lane of a
+// row in C), the row's partials of tile tile_n.
+__device__ __forceinline__ void gemm_write_row_partials(const TileStatsPart& stats, const GemmRowStats& out,
+                                                        const GemmTiles& tiles, int row, bool writes, int tile_n,
+                                                        bool entropy) {
+  const TileStatsPart other{__shfl_xor_sync(0xffffffffu, stats.max, 1), __shfl_xor_sync(0xffffffffu, stats.sum, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.target, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.logit_sum, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.others, 1),
+                            __shfl_xor_sync(0xffffffffu, stats.spread, 1)};
+  if (!writes) return;
+  const float max = max_acc(stats.max, other.max);
+  TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
+  add_part_at(total, stats, max, entropy);
+  add_part_at(total, other, max, entropy);
+  float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
+  partial[0] = total.max;
+  partial[int64_t(tiles.m)] = total.sum;
+  partial[2 * int64_t(tiles.m)] = total.target;
+  partial[3 * int64_t(tiles.m)] = total.logit_sum;
+  partial[4 * int64_t(tiles.m)] = total.others;
+  if (entropy) partial[5 * int64_t(tiles.m)] = total.spread;
+}
+
 // A consumer warp's 16 rows of one tile into partials[tile_n], from the staged pieces (the logits
 // rounded to T, as a product's output is: the statistics are those of eager's logits): a lane takes
 // row lane / 2 and the half (lane % 2) of each piece's 64 columns; the two lanes of a row are added
@@ -538,23 +562,99 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(const float (&d)[kColum
     }
     __syncwarp();  // the buffer's reads are done before the next piece overwrites it
   }
-  const TileStatsPart other{__shfl_xor_sync(0xffffffffu, stats.max, 1), __shfl_xor_sync(0xffffffffu, stats.sum, 1),
-                            __shfl_xor_sync(0xffffffffu, stats.target, 1),
-                            __shfl_xor_sync(0xffffffffu, stats.logit_sum, 1),
-                            __shfl_xor_sync(0xffffffffu, stats.others, 1),
-                            __shfl_xor_sync(0xffffffffu, stats.spread, 1)};
-  if (half != 0 || !row_ok) return;
-  const float max = max_acc(stats.max, other.max);
-  TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
-  add_part_at(total, stats, max, entropy);
-  add_part_at(total, other, max, entropy);
-  float* partial = out.partials + int64_t(tile_n) * out.stat_rows * tiles.m + row;
-  partial[0] = total.max;
-  partial[int64_t(tiles.m)] = total.sum;
-  partial[2 * int64_t(tiles.m)] = total.target;
-  partial[3 * int64_t(tiles.m)] = total.logit_sum;
-  partial[4 * int64_t(tiles.m)] = total.others;
-  if (entropy) partial[5 * int64_t(tiles.m)] = total.spread;
+  gemm_write_row_partials(stats, out, tiles, row, row_ok && half == 0, tile_n, entropy);
+}
+
+// The training form of the same rows (issue 55 stage 3): beside the statistics, each 64-column piece
+// is written as E = 2^(u log2 e - k) dz'/dz, k = ceil(the row's max u over the piece x log2 e) (piece_max
+// holds k), 0 at the target (its gradient, -others / sum, is added apart: p - 1 would cancel), so that d
+// input's product needs only an exact power of two a row and piece (gemm_grad_input). The piece's max comes
+// first, from the rounded logits (u rises with them), so each value's exp is taken once, relative to it.
+template <typename T, int kColumns>
+__device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging,
+                                                           const GemmRowStats& out, const GemmTiles& tiles,
+                                                           int row0, int col0, int tile_n) {
+  constexpr int kChunks = kGemmStagingColumns / 2 / 8;  // 16 B chunks of a row a lane reads a piece
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, half = lane % 2;
+  const int row = row0 + r;
+  const bool row_ok = row < tiles.m;
+  const Softcap<T> softcap(out.softcap, out.softcap_inverse);
+  const float s = out.inverse_temperature;
+  const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;
+  const int target = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
+  GemmTiles e_tiles = tiles;
+  e_tiles.ldc = out.ld_e;
+  TileStatsPart stats{-infinity<float>(), 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll  // d is indexed by piece: a rolled loop would put it in local memory
+  for (int piece = 0; piece < kColumns / kGemmStagingColumns; ++piece) {
+    const int piece_col = kGemmStagingColumns * piece;
+    gemm_stage_piece<T, kColumns>(d, staging, piece);
+    __syncwarp();
+    float raw_max = -infinity<float>();
+#pragma unroll 1
+    for (int i = 0; i < kChunks; ++i) {
+      const int first = piece_col + 8 * (kChunks * half + i);
+      const uint4 value = *reinterpret_cast<const uint4*>(staging + gemm_staged_offset(r, kChunks * half + i));
+      const uint32_t words[4] = {value.x, value.y, value.z, value.w};
+      const int valid = tiles.n - (col0 + first);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        float lo, hi;
+        unpack_pair<T>(words[w], lo, hi);
+        if (2 * w < valid) raw_max = max_acc(raw_max, lo);
+        if (2 * w + 1 < valid) raw_max = max_acc(raw_max, hi);
+      }
+    }
+    raw_max = max_acc(raw_max, __shfl_xor_sync(0xffffffffu, raw_max, 1));
+    const float piece_max = raw_max == -infinity<float>() ? raw_max : softcap.apply(raw_max) * s;
+    const float base = piece_max == -infinity<float>() ? 0.f : piece_max;  // all -inf: exp(-inf - 0) = 0
+    // E is written relative to 2^exponent, exponent = ceil(max log2 e): d input's product then scales a piece by
+    // an exact power of two (gemm_sm90_grad_input.cuh).
+    const float exponent = piece_max == -infinity<float>() ? piece_max : ceilf(piece_max * kLog2e);
+    const float to_exponent = piece_max == -infinity<float>() ? 0.f : exp2f(piece_max * kLog2e - exponent);
+    TileStatsPart part{piece_max, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int i = 0; i < kChunks; ++i) {
+      const int chunk = kChunks * half + i;
+      const int first = piece_col + 8 * chunk;
+      uint4& value = *reinterpret_cast<uint4*>(staging + gemm_staged_offset(r, chunk));
+      uint32_t words[4] = {value.x, value.y, value.z, value.w};
+      const int valid = tiles.n - (col0 + first);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        float z[2], e[2];
+        unpack_pair<T>(words[w], z[0], z[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float slope;
+          const float u = softcap.apply(z[h], slope) * s;
+          const bool in = 2 * w + h < valid;
+          const float ex = in ? exp_minus<T>(u, base) : 0.f;
+          part.sum += ex;
+          if (in) part.logit_sum += u;
+          const bool at_target = first + 2 * w + h == target;
+          if (at_target) part.target = u;
+          part.others += at_target ? 0.f : ex;
+          e[h] = at_target ? 0.f : ex * (slope * to_exponent);
+        }
+        words[w] = pack_pair<T>(e[0], e[1]);
+      }
+      value = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    const float max = max_acc(stats.max, piece_max);
+    TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
+    add_part_at(total, stats, max, false);
+    add_part_at(total, part, max, false);
+    stats = total;
+    __syncwarp();
+    gemm_store_staged_piece<T>(staging, static_cast<T*>(out.e), e_tiles, row0, col0 + piece_col);
+    if (half == 0 && row_ok && col0 + piece_col < tiles.n) {
+      out.piece_max[int64_t((col0 + piece_col) / kGemmStagingColumns) * tiles.m + row] = exponent;
+    }
+    __syncwarp();  // the buffer's reads are done before the next piece overwrites it
+  }
+  gemm_write_row_partials(stats, out, tiles, row, row_ok && half == 0, tile_n, false);
 }
 
 #endif  // FUSED_LOSSES_GEMM_SM90A
@@ -572,14 +672,19 @@ struct GemmStoreTile {
 #endif
 };
 
-template <typename T>
+// kTrainingForm: also E and the pieces' maxima (gemm_row_stats_e_warp_rows).
+template <typename T, bool kTrainingForm = false>
 struct GemmRowStatsTile {
   GemmRowStats out;
 #if FUSED_LOSSES_GEMM_SM90A
   __device__ __forceinline__ void operator()(float (&d)[kGemmSums], unsigned char* staging, const GemmTiles& tiles,
                                              int row0, int col0, int tile_n) const {
     if (out.bias != nullptr) gemm_add_bias_warp_rows<T, kGemmTileN>(d, static_cast<const T*>(out.bias), tiles, col0);
-    gemm_row_stats_warp_rows<T, kGemmTileN>(d, staging, out, tiles, row0, col0, tile_n);
+    if constexpr (kTrainingForm) {
+      gemm_row_stats_e_warp_rows<T, kGemmTileN>(d, staging, out, tiles, row0, col0, tile_n);
+    } else {
+      gemm_row_stats_warp_rows<T, kGemmTileN>(d, staging, out, tiles, row0, col0, tile_n);
+    }
   }
 #endif
 };

@@ -13,6 +13,7 @@
 // driver's tensor-map encoder is looked up through the runtime at first use.
 
 #include "gemm_sm90.cuh"
+#include "gemm_sm90_grad_input.cuh"
 #include "grad_output_guess.cuh"  // scale_by_grad_output_launch, which every build binds
 #include "launch.cuh"
 #include "row_stats_combine.cuh"
@@ -73,12 +74,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A (rows, k) operand with row stride ld as 2-D boxes of box_rows x 64 elements, K inner, 128 B
+// A 2-D operand (outer rows of `inner` elements, row stride ld) as boxes of box_inner x box_outer elements, 128 B
 // swizzled (the layout the wgmma descriptors read), elements outside the tensor read as zeros.
-CUtensorMap k_major_tensor_map(const void* base, int64_t rows, int64_t k, int64_t ld, int box_rows, DType dtype) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+CUtensorMap tensor_map(const void* base, int64_t outer, int64_t inner, int64_t ld, int box_outer, int box_inner,
+                       DType dtype) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};  // bytes, of dims[1]
-  const cuuint32_t box[2] = {kGemmTileK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer)};
   const cuuint32_t element_strides[2] = {1, 1};
   CUtensorMap map;
   const CUresult result = tensor_map_encoder()(
@@ -87,10 +89,20 @@ CUtensorMap k_major_tensor_map(const void* base, int64_t rows, int64_t k, int64_
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     throw std::runtime_error("fused_losses: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(result)) +
-                             ") for a " + std::to_string(rows) + " x " + std::to_string(k) + " operand, row stride " +
-                             std::to_string(ld));
+                             ") for a " + std::to_string(outer) + " x " + std::to_string(inner) + " operand, row " +
+                             "stride " + std::to_string(ld));
   }
   return map;
+}
+
+// A (rows, k) operand, K inner, in boxes of box_rows x 64 (one K block).
+CUtensorMap k_major_tensor_map(const void* base, int64_t rows, int64_t k, int64_t ld, int box_rows, DType dtype) {
+  return tensor_map(base, rows, k, ld, box_rows, kGemmTileK, dtype);
+}
+
+// W (k rows, n) read N-major: boxes of 64 columns x 64 K rows (gemm_sm90_grad_input.cuh).
+CUtensorMap n_major_tensor_map(const void* base, int64_t k, int64_t n, int64_t ld, DType dtype) {
+  return tensor_map(base, k, n, ld, kGemmTileK, kGiBoxN, dtype);
 }
 
 // Group size of the grouped raster: 8 or 16 M tiles, whichever keeps fewer rows of A and B
@@ -105,12 +117,16 @@ int group_for(int64_t grid, int tiles_m) {
 
 // The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T, Epilogue>
 // over call's tiles; make_epilogue(T tag) gives the epilogue.
-template <typename MakeEpilogue>
-void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogue make_epilogue) {
+void check_sm90a(const LaunchContext& context) {
   check(device_is_sm90(context.device),
         "linear_ce_gemm's products run on compute capability 9.0 only (H100, H200): their wgmma code is sm_90a");
   check(build_is_sm90a(context.device),
         "linear_ce_gemm was built without sm_90a (load it with loader.load('linear_ce_gemm', dtype, arch='9.0a'))");
+}
+
+template <typename MakeEpilogue>
+void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogue make_epilogue) {
+  check_sm90a(context);
   if (call.m == 0 || call.n == 0) return;
   // gemm_call (entry_points.h) checked the operands' dtype, strides and alignment; the tile counts are ints.
   if (call.k <= 0 || call.m >= (int64_t(1) << 31) || call.n >= (int64_t(1) << 31)) {
@@ -153,7 +169,58 @@ void gemm_nt_launch(const GemmCall& call, const LaunchContext& context) {
 }
 
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context) {
-  launch_gemm(call, context, [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
+  if (stats.e == nullptr) {
+    launch_gemm(call, context, [&](auto tag) { return GemmRowStatsTile<decltype(tag)>{stats}; });
+    return;
+  }
+  // The training form: bfloat16 only (float16 gradients take the row passes: issue 55, item 5).
+  if constexpr (static_cast<DType>(FUSED_LOSSES_DTYPE) == DType::kBFloat16) {
+    launch_gemm(call, context, [&](auto tag) { return GemmRowStatsTile<decltype(tag), true>{stats}; });
+  } else {
+    check(false, "gemm_row_stats' training form takes bfloat16 operands");
+  }
+}
+
+int grad_input_splits(int64_t m, int64_t n, int64_t k, int device) {
+  const int64_t tiles = ((m + kGiTileM - 1) / kGiTileM) * ((n + kGiTileN - 1) / kGiTileN);
+  const int64_t blocks = multiprocessor_count(device);
+  const int64_t k_blocks = (k + kGemmTileK - 1) / kGemmTileK;
+  auto filled = [&](int64_t splits) {  // the share of the waves' units that are work
+    const int64_t units = tiles * splits;
+    return double(units) / double((units + blocks - 1) / blocks * blocks);
+  };
+  int best = 1;
+  // More parts only where they fill 5% more of the waves, each part at least 32 K blocks.
+  for (int splits = 2; splits <= 16 && k_blocks / splits >= 32; ++splits) {
+    if (filled(splits) > filled(best) + 0.05) best = splits;
+  }
+  return best;
+}
+
+void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& context) {
+  check_sm90a(context);
+  if (call.m == 0 || call.n == 0) return;
+  if constexpr (static_cast<DType>(FUSED_LOSSES_DTYPE) == DType::kBFloat16) {
+    using T = c10::BFloat16;
+    auto kernel = &gemm_grad_input_kernel<T>;
+    check(max_dynamic_smem(kernel, context.device) >= size_t(kGiSmemBytes),
+          "gemm_grad_input needs 197 KB of shared memory a block, more than this GPU gives");
+    GiTiles tiles;
+    tiles.tiles_m = static_cast<int>((call.m + kGiTileM - 1) / kGiTileM);
+    tiles.tiles_n = static_cast<int>((call.n + kGiTileN - 1) / kGiTileN);
+    tiles.k_blocks = static_cast<int>((call.k + kGemmTileK - 1) / kGemmTileK);
+    tiles.splits = call.splits;
+    tiles.tiles = int64_t(tiles.tiles_m) * tiles.tiles_n;
+    tiles.units = tiles.tiles * tiles.splits;
+    int64_t grid = std::min<int64_t>(multiprocessor_count(context.device), tiles.units);
+    if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
+    const CUtensorMap e_map = k_major_tensor_map(call.e, call.m, call.k, call.ld_e, kGiTileM, call.dtype);
+    const CUtensorMap w_map = n_major_tensor_map(call.w, call.k, call.n, call.ld_w, call.dtype);
+    launch_kernel(kernel, grid, kGemmThreads, kGiSmemBytes, 1, context.device, context.stream, e_map, w_map, tiles,
+                  call);
+  } else {
+    check(false, "gemm_grad_input takes bfloat16 operands");
+  }
 }
 
 #else  // CUDA 11.8: no tensor maps, no sm_90a
@@ -164,6 +231,12 @@ void gemm_nt_launch(const GemmCall&, const LaunchContext&) {
 
 void gemm_row_stats_launch(const GemmCall&, const GemmRowStats&, const LaunchContext&) {
   check(false, "gemm_row_stats needs a CUDA 12 build (this one is older) on compute capability 9.0");
+}
+
+int grad_input_splits(int64_t, int64_t, int64_t, int) { return 1; }
+
+void gemm_grad_input_launch(const GemmGradInput&, const LaunchContext&) {
+  check(false, "gemm_grad_input needs a CUDA 12 build (this one is older) on compute capability 9.0");
 }
 
 #endif

@@ -159,10 +159,44 @@ struct GemmRowStats {
   float inverse_temperature;
   int stat_rows;       // 5, or 6 with the entropy's sum
   bool target_int32;
+  // The training form, or nullptr: e (m, n) at row stride ld_e, E = 2^(u log2 e - k) times dz'/dz (0 at the
+  // target), rounded to the operands' dtype, and piece_max (pieces, m): each row's k = ceil(max u log2 e) over
+  // each 64 columns, -inf where all are masked (gemm_grad_input reads them).
+  void* e;
+  int64_t ld_e;
+  float* piece_max;
 };
 // Classes a tile of row_stats' partials covers: the kernel's tile N (gemm_sm90.cuh's kGemmTileN).
 constexpr int64_t kGemmRowStatsTileColumns = 192;
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
+// d input from row_stats' training form (gemm_sm90_grad_input.cuh): out (m, n) = g W, g the logits'
+// gradient for a grad_output of 1 (row_passes' formula without smoothing or the entropy's term) from the
+// combined statistics, w the
+// linear weight (k classes, n), n contiguous. splits > 1 sums K in that many parts, in order, through
+// partial ((m, n) float32) and flags (2 tiles_m tiles_n int32 zeros).
+struct GemmGradInput {
+  DType dtype;
+  int64_t m, n, k;
+  const void* e;
+  int64_t ld_e;
+  const void* w;
+  int64_t ld_w;
+  const float* piece_max;      // (ceil(k / 64), m): E's exponents (GemmRowStats)
+  const float* stats;          // (5, m): the rows' statistics (row_passes.cu's rows)
+  const float* row_scale;      // (m)
+  const void* target;
+  bool target_int32;
+  float z_loss, inverse_temperature, softcap, softcap_inverse;
+  void* out;
+  int64_t ld_out;
+  float* partial;
+  int* flags;
+  int splits;
+  int64_t max_blocks;
+};
+// K parts for an m x n d input on this GPU: the tiles a wave holds, filled (gemm_sm90_grad_input.cuh).
+int grad_input_splits(int64_t m, int64_t n, int64_t k, int device);
+void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& context);
 // row_stats' partials (tiles, stat_rows, rows) combined into the rows' (stat_rows, rows), float32
 // (row_stats_combine.cuh).
 void combine_row_stats_launch(const float* partials, float* stats, int64_t tiles, int stat_rows, int64_t rows,

@@ -4,10 +4,13 @@
     python scripts/gemm_bench.py --dtype float16 --shapes 4096x4096x4096
     python scripts/gemm_bench.py --stats              # also row_stats, combine, and eval's log-probs
     python scripts/gemm_bench.py --debug              # barrier waits trap instead of hanging
+    python scripts/gemm_bench.py --grad-input --shapes 768x128256x4096 384x256000x2304 --softcap 0 30
 
 Per shape M x N x K (C = A B^T, A: M x K, B: N x K, both K-contiguous): CUDA-event time of each run
 after warm-up, median of --runs; TFLOP/s = 2 M N K / time; ours / torch; whether 3 runs of ours gave
-the same bits; our error norm against a float64 product of a row slice vs torch's. With --stats:
+the same bits; our error norm against a float64 product of a row slice vs torch's. With --grad-input (a frozen
+head's chunk of M rows, N classes, H = K): the training form (row_stats_training + combine) against torch.mm + the
+statistics pass, and grad_input against the gradient pass + torch.mm (d input = g W), at each --softcap. With --stats:
 row_stats alone, combine_row_stats, both, and linear_log_probs' eval through the fused product
 against cuBLAS + row passes (the fused product's gate). The third default shape has d input's sizes
 (8192 x 4096 x 128256), but as an NT product.
@@ -49,6 +52,45 @@ def slice_errors(ours, theirs, a, b, rows: int = 256):
     return ((ours[:rows].double() - truth).norm().item(), (theirs[:rows].double() - truth).norm().item())
 
 
+def grad_input_times(ops, a, b, softcap: float, args) -> None:
+    """A frozen head's chunk (rows a, classes b): ours (training form, then grad_input) against cuBLAS and the row
+    passes, ms, and grad_input's TFLOP/s."""
+    import row_passes
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    x = (a.float() * (3 / k ** 0.5)).to(a.dtype)  # logits of a few units, as a language model's
+    target = torch.randint(0, n, (m,), device="cuda")
+    row_scale = torch.full((m,), 1 / m, device="cuda")
+    e = torch.empty(m, -(-n // 8) * 8, dtype=a.dtype, device="cuda")[:, :n]
+    piece_max = torch.empty(-(-n // 64), m, device="cuda")
+    grad = torch.empty(m, k, device="cuda", dtype=a.dtype)
+    logits = torch.empty(m, n, device="cuda", dtype=a.dtype)
+
+    def form():
+        return ops.combine_row_stats(ops.row_stats_training(x, b, None, target, softcap, 1.0, e, piece_max, 0))
+
+    stats = form()
+    softmax_stats = row_passes.softmax_stats_of(stats)  # the row passes'
+
+    def cublas_forward():
+        torch.mm(x, b.T, out=logits)
+        fresh = row_passes.new_stats(m, a.dtype, a.device)
+        row_passes.fold_stats(logits, target, 0, n, fresh, softcap)
+
+    def cublas_backward():  # the gradient pass in place (on a gradient after the first run: the same work)
+        row_passes.write_gradient(logits, logits, target, 0, n, softmax_stats, row_scale, 0.0, 0.0, softcap, 1.0)
+        torch.mm(logits, b, out=grad)
+
+    times = {name: timed_median(fn, args.runs, args.warmup) for name, fn in (
+        ("form", form), ("cublas forward", cublas_forward),
+        ("grad_input", lambda: ops.grad_input(e, piece_max, b, stats, target, row_scale, 0.0, softcap, 1.0, grad, 0)),
+        ("cublas backward", cublas_backward), ("mm alone", lambda: torch.mm(logits, b, out=grad)))}
+    ours, theirs = times["form"] + times["grad_input"], times["cublas forward"] + times["cublas backward"]
+    print(f"{'':>22} softcap {softcap:g}: training form {times['form']:.3f} ms (mm + stats {times['cublas forward']:.3f}),"
+          f" grad_input {times['grad_input']:.3f} ({2 * m * n * k / times['grad_input'] / 1e9:.0f} TF/s; gradient "
+          f"pass + mm {times['cublas backward']:.3f}, mm alone {times['mm alone']:.3f}); chunk {ours:.3f} against "
+          f"{theirs:.3f} ({theirs / ours:.3f}x)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -57,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--debug", action="store_true", help="build with -DFUSED_LOSSES_GEMM_DEBUG=1")
     parser.add_argument("--stats", action="store_true", help="also time row_stats (the fused product's statistics)")
+    parser.add_argument("--grad-input", action="store_true", help="also time the training form and grad_input")
+    parser.add_argument("--softcap", type=float, nargs="+", default=[0.0], help="--grad-input's softcaps")
     args = parser.parse_args(argv)
     if args.debug:
         os.environ["FUSED_LOSSES_NVCC_FLAGS"] = (os.environ.get("FUSED_LOSSES_NVCC_FLAGS", "") +
@@ -112,6 +156,9 @@ def main(argv=None) -> int:
             print(f"{'':>22} linear_log_probs eval (T 0.7, entropy): " +
                   ", ".join(f"{path} {ms:.3f} ms" for path, ms in eval_ms.items()) +
                   f" (fused {eval_ms['cuBLAS + row passes'] / eval_ms['fused product']:.3f}x)")
+        if args.grad_input:
+            for softcap in args.softcap:
+                grad_input_times(ops, a, b, softcap, args)
         del a, b, ours, theirs
         torch.cuda.empty_cache()
     return 0

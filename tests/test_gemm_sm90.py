@@ -332,3 +332,158 @@ def test_rows_that_overlap_take_the_cublas_chunks():
     w = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
     assert not linear_cross_entropy.fused_product(h.expand(4, 64), w, None)
     assert linear_cross_entropy.fused_product(h.expand(4, 64).contiguous(), w, None)
+
+
+# ---------------------------------------------------------------------------------
+# The training form (row_stats_training: E = exp(u - each 64 classes' max) dz'/dz, 0 at the target) and
+# grad_input (d input = g W from E, scaled a row and 64 classes at a time as the product reads it).
+
+def training_form(ops, x, w, bias, target, softcap, temperature):
+    """(E, piece_max, stats (5, m)) of x @ w.T (+ bias)."""
+    m, n = x.shape[0], w.shape[0]
+    e = torch.full((m, -(-n // 8) * 8), float("nan"), device="cuda", dtype=x.dtype)[:, :n]
+    piece_max = torch.full((-(-n // 64), m), float("nan"), device="cuda")
+    partials = ops.row_stats_training(x, w, bias, target, softcap, temperature, e, piece_max, 0)
+    return e, piece_max, ops.combine_row_stats(partials)
+
+
+def float64_grad_input(logits, w, target, row_scale, softcap, temperature, z_loss):
+    """d input in float64 from the (rounded) logits: row_passes.cu's gradient without smoothing, times w."""
+    z = logits.double()
+    u = (softcap * torch.tanh(z / softcap) if softcap else z) / temperature
+    lse = torch.logsumexp(u, 1, keepdim=True)
+    p = torch.exp(u - lse)
+    onehot = torch.zeros_like(p)
+    rows = (target >= 0).nonzero()[:, 0]
+    onehot[rows, target[rows].long()] = 1
+    slope = 1 - torch.tanh(z / softcap) ** 2 if softcap else 1.0
+    g = row_scale.double()[:, None] * (p * (1 + 2 * z_loss * lse) - onehot) * slope / temperature
+    return torch.where(row_scale.double()[:, None] == 0, 0.0, g) @ w.double()
+
+
+def scaled_operands(m, n, k, dtype):
+    """Operands whose logits spread as a language model's do (a few units), not as sqrt(k)."""
+    a, b = random_operands(m, n, k, dtype)
+    return (a.float() * (3 / k ** 0.5)).to(dtype), b
+
+
+@pytest.mark.parametrize("m,n,k", [(300, 1000, 256), (129, 50257, 264), (1024, 32000, 512), (513, 4077, 2304)])
+@pytest.mark.parametrize("softcap,temperature,z_loss,bias", [(0.0, 1.0, 0.0, False), (30.0, 0.7, 1e-4, True)])
+def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature, z_loss, bias):
+    """The statistics are row_stats' (5 rows); d input's error against float64 (of the same rounded logits) within
+    1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes (-inf bias, whole
+    pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
+    (the tiles filling less than a wave: 16 parts for 129 x 264, 8 for 1024 x 512), ragged M, N and K."""
+    import row_passes
+    ops = builds[torch.bfloat16]
+    x, w = scaled_operands(m, n, k, torch.bfloat16)
+    bias_ = None
+    if bias:
+        bias_ = torch.randn(n, device="cuda").bfloat16()
+        bias_[64:200] = float("-inf")
+    target = targets(m, n, int32=m == 129)
+    if bias:
+        target[(target >= 64) & (target < 200)] = 3  # no masked target
+    row_scale = torch.where(target == -100, 0.0, torch.rand(m, device="cuda") + 0.5)
+    e, piece_max, stats = training_form(ops, x, w, bias_, target, softcap, temperature)
+    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias_, target, softcap, temperature, 5, 0))
+    logits = torch.nn.functional.linear(x, w, bias_)
+    others = [0, 1, 2, 4]  # row 3's signed sum on each row's sum |u| (logit_sum_scale)
+    torch.testing.assert_close(stats[others], plain[others], rtol=2e-6, atol=2e-6 * max(1, n / 4096))
+    close = (stats[3] - plain[3]).abs() <= 4e-6 * logit_sum_scale(logits, softcap, temperature)
+    assert (close | (stats[3] == plain[3])).all(), "row 3"
+    out = poisoned(m, k, torch.bfloat16)
+    ops.grad_input(e, piece_max, w, stats, target, row_scale, z_loss, softcap, temperature, out, 0)
+    assert not out.isnan().any(), "an output element was never written"
+    assert (out[target == -100] == 0).all()
+    truth = float64_grad_input(logits, w, target, row_scale, softcap, temperature, z_loss)
+    g = logits.clone()
+    row_passes.write_gradient(g, g, target, 0, n, row_passes.softmax_stats_of(stats), row_scale, 0.0, z_loss, softcap,
+                              temperature)
+    theirs = g @ w
+    our_error = (out.double() - truth).norm().item()
+    their_error = (theirs.double() - truth).norm().item()
+    assert our_error <= 1.5 * their_error + 1e-6 * truth.norm().item(), (our_error, their_error)
+    for max_blocks in (7, 1):  # the same bits whatever the grid
+        again = poisoned(m, k, torch.bfloat16)
+        ops.grad_input(e, piece_max, w, stats, target, row_scale, z_loss, softcap, temperature, again,
+                       max_blocks)
+        assert torch.equal(again, out), max_blocks
+
+
+def test_the_target_gradient_of_confident_rows(builds):
+    """Rows whose target's p is 1 - 1e-6 and beyond: the target's term comes from -others / sum, not p - 1 (which
+    cancels), so d input matches float64 row by row."""
+    ops = builds[torch.bfloat16]
+    m, n, k = 64, 3000, 64
+    x, w = scaled_operands(m, n, k, torch.bfloat16)
+    target = torch.randint(0, n, (m,), device="cuda")
+    target[::2] = 1234
+    bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    bias[1234] = 24.0  # p_t ~ 1 - n e^-24 on the even rows; the odd rows' p_t ~ e^-24
+    e, piece_max, stats = training_form(ops, x, w, bias, target, 0.0, 1.0)
+    row_scale = torch.ones(m, device="cuda")
+    out = poisoned(m, k, torch.bfloat16)
+    ops.grad_input(e, piece_max, w, stats, target, row_scale, 0.0, 0.0, 1.0, out,
+                   0)
+    truth = float64_grad_input(torch.nn.functional.linear(x, w, bias), w, target, row_scale, 0.0, 1.0, 0.0)
+    error = (out.double() - truth).norm(dim=1)
+    assert (error <= 2 ** -7 * truth.norm(dim=1) + 1e-30).all(), (error / truth.norm(dim=1)).max()
+
+
+def test_grad_input_refuses_bad_arguments(builds):
+    ops = builds[torch.bfloat16]
+    x, w = scaled_operands(64, 300, 64, torch.bfloat16)
+    target = targets(64, 300)
+    e, piece_max, stats = training_form(ops, x, w, None, target, 0.0, 1.0)
+    row_scale = torch.ones(64, device="cuda")
+    out = torch.empty(64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="piece_max"):
+        ops.grad_input(e, piece_max, w, stats[:3].contiguous(), target, row_scale, 0.0, 0.0, 1.0, out, 0)
+    with pytest.raises(ValueError, match="piece_max"):
+        ops.grad_input(e, piece_max[1:], w, stats, target, row_scale, 0.0, 0.0, 1.0, out, 0)
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        ops.grad_input(e, piece_max, w.half(), stats, target, row_scale, 0.0, 0.0, 1.0, out, 0)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.grad_input(e, piece_max, w, stats, target, row_scale, 0.0, 0.0, 1.0, out[:, :32], 0)
+    with pytest.raises(ValueError, match="row_scale"):
+        ops.grad_input(e, piece_max, w, stats, target, row_scale[:5], 0.0, 0.0, 1.0, out, 0)
+    with pytest.raises(ValueError, match="e must be"):
+        ops.row_stats_training(x, w, None, target, 0.0, 1.0, e[:, :299], piece_max, 0)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.row_stats_training(x.half(), w.half(), None, target, 0.0, 1.0, e, piece_max, 0)
+
+
+@pytest.mark.parametrize("softcap,z_loss,reduction", [(None, 0.0, "mean"), (30.0, 1e-4, "sum"), (None, 0.0, "none")])
+def test_a_frozen_heads_d_input_through_the_training_form(builds, softcap, z_loss, reduction, monkeypatch):
+    """linear_cross_entropy with a frozen head takes the training form where gradient_form says so, and gives the
+    cuBLAS chunks' loss and, row by row, their d input to bfloat16's rounding of the gradient (operands on a grid of
+    1/4: both products' logits are exact)."""
+    import linear_cross_entropy
+    import losses
+    m, n, k = 700, 50257, 24
+    x, w, _ = exact_operands(m, n, k, torch.bfloat16, 17)  # exact logits: the paths' losses differ by sums' order
+    x.requires_grad_()
+    target = targets(m, n)
+    weights = torch.rand(m, device="cuda") + 0.5
+    assert linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, frozen_head=True)
+    # Not a 2-byte d weight's forward (its backward recomputes the logits), nor with smoothing or the entropy.
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0)
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.1, frozen_head=True)
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6, frozen_head=True)
+    assert not linear_cross_entropy.gradient_form(x.half(), w.half(), None, (True, False, False), 0.0,
+                                                  frozen_head=True)
+
+    def run():
+        x.grad = None
+        loss = losses.linear_cross_entropy(x, w, target, reduction=reduction, z_loss=z_loss, softcap=softcap)
+        (loss * weights).sum().backward() if reduction == "none" else loss.backward()
+        return loss.detach().float(), x.grad.float()
+
+    fused = run()
+    monkeypatch.setattr(linear_cross_entropy, "gradient_form", lambda *arguments: False)
+    chunks = run()
+    torch.testing.assert_close(fused[0], chunks[0], rtol=1e-5, atol=1e-5)
+    difference = (fused[1] - chunks[1]).norm(dim=1)
+    assert (difference <= 2 ** -6 * chunks[1].norm(dim=1)).all()
+    assert (fused[1][target == -100] == 0).all()
