@@ -137,6 +137,13 @@ struct GiShared {
   uint64_t* empty;
 };
 
+// A consumer warp frees a stage it read with ldmatrix: every lane's reads ordered before lane 0's arrival (the
+// copy engine then overwrites the stage), not only lane 0's own.
+__device__ __forceinline__ void gi_release_stage(uint64_t* empty, int lane) {
+  __syncwarp();
+  gemm_release_stage(empty, lane);
+}
+
 __device__ __forceinline__ void gi_produce(const void* e_map, const void* w_map, const GiTiles& tiles,
                                            const GiShared& shared) {
   uint32_t step = 0;
@@ -267,11 +274,11 @@ __device__ __forceinline__ void gi_consume(int consumer, const GemmGradInput& ca
         wgmma_commit();
         wgmma_wait<2>();
         // The block before's last step is done: its stage is free.
-        if (kk == 1 && kb > unit.kb_begin) gemm_release_stage(&shared.empty[(step - 1) % kGiStages], lane);
+        if (kk == 1 && kb > unit.kb_begin) gi_release_stage(&shared.empty[(step - 1) % kGiStages], lane);
       }
     }
     wgmma_wait<0>();
-    if (unit.kb_end > unit.kb_begin) gemm_release_stage(&shared.empty[(step - 1) % kGiStages], lane);
+    if (unit.kb_end > unit.kb_begin) gi_release_stage(&shared.empty[(step - 1) % kGiStages], lane);
     accumulators_ready(d);
     // The epilogue: this thread's rows row0, row0 + 8, columns col + 8j + {0, 1}.
     const int64_t col = int64_t(unit.tile_n) * kGiTileN + 2 * (lane % 4);
