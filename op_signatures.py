@@ -73,8 +73,9 @@ KERNEL_OPS = {
                      "Tensor? class_count, Tensor softmax_stats, Tensor row_scale, float label_smoothing, "
                      "float z_loss, float softcap, float temperature, Tensor? entropy_scale) -> ()"),
     },
-    # sm_90a only (loader.SM90A_KERNELS), for the tests and the benchmark: a @ b.T, 2-byte
-    # operands, into out when given (returned); max_blocks > 0 caps the persistent grid, 0: one
+    # sm_90a only (loader.SM90A_KERNELS): gemm_nt (a @ b.T, 2-byte operands, into out when given,
+    # returned; for the tests and the benchmark), the fused product's statistics and its training form,
+    # and d input from that form (linear_cross_entropy.py); max_blocks > 0 caps the persistent grid, 0: one
     # block a multiprocessor.
     "linear_ce_gemm": {
         "gemm_nt": "(Tensor a, Tensor b, Tensor(a!)? out, int max_blocks) -> Tensor",

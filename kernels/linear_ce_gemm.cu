@@ -1,6 +1,8 @@
-// linear_ce_gemm.cu: our own sm_90a matrix product for linear_cross_entropy (notes/performance.md),
+// linear_ce_gemm.cu: our own sm_90a matrix products for linear_cross_entropy (notes/performance.md),
 // as the ops gemm_nt(a, b) = a @ b.T and row_stats (the same product's rows' softmax statistics
-// per tile of classes, no logits written), both under the pingpong schedule (gemm_sm90.cuh).
+// per tile of classes, no logits written; with row_stats_training also the logits' gradient form),
+// both under the pingpong schedule (gemm_sm90.cuh), and grad_input, d input from that form
+// (gemm_sm90_grad_input.cuh).
 //
 //   C[i, j] = sum_k A[i, k] B[j, k]   A (M, K), B (N, K), C (M, N); bfloat16 or float16, float32 sums
 //
