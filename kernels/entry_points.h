@@ -757,15 +757,6 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
   call.out = out.data_ptr();
   call.ld_out = m == 1 ? n : out.stride(0);
   call.max_blocks = max_blocks;
-  call.splits = grad_input_splits(m, n, k, static_cast<int>(e.device().index()));
-  at::Tensor partial, flags;
-  if (call.splits > 1) {
-    partial = at::empty({m, n}, e.options().dtype(at::kFloat));
-    const int64_t tiles = ((m + 127) / 128) * ((n + 255) / 256);
-    flags = at::empty({2 * tiles}, e.options().dtype(at::kInt)).zero_();
-    call.partial = partial.data_ptr<float>();
-    call.flags = flags.data_ptr<int>();
-  }
   run_kernels([&] { gemm_grad_input_launch(call, context.launch()); });
 }
 

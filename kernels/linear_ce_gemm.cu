@@ -119,6 +119,20 @@ int group_for(int64_t grid, int tiles_m) {
 
 // The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T, Epilogue>
 // over call's tiles; make_epilogue(T tag) gives the epilogue.
+// K parts for grad_input's tiles: the fewest that fill the waves of `blocks` to within 5% of the best, each part
+// at least 32 K blocks (the same for every run and grid on a GPU: the bits follow the parts).
+int grad_input_splits(int64_t tiles, int k_blocks, int64_t blocks) {
+  auto filled = [&](int64_t splits) {  // the share of the waves' units that are work
+    const int64_t units = tiles * splits;
+    return double(units) / double((units + blocks - 1) / blocks * blocks);
+  };
+  int best = 1;
+  for (int splits = 2; splits <= 16 && k_blocks / splits >= 32; ++splits) {
+    if (filled(splits) > filled(best) + 0.05) best = splits;
+  }
+  return best;
+}
+
 void check_sm90a(const LaunchContext& context) {
   check(device_is_sm90(context.device),
         "linear_ce_gemm's products run on compute capability 9.0 only (H100, H200): their wgmma code is sm_90a");
@@ -183,22 +197,6 @@ void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, cons
   }
 }
 
-int grad_input_splits(int64_t m, int64_t n, int64_t k, int device) {
-  const int64_t tiles = ((m + kGiTileM - 1) / kGiTileM) * ((n + kGiTileN - 1) / kGiTileN);
-  const int64_t blocks = multiprocessor_count(device);
-  const int64_t k_blocks = (k + kGemmTileK - 1) / kGemmTileK;
-  auto filled = [&](int64_t splits) {  // the share of the waves' units that are work
-    const int64_t units = tiles * splits;
-    return double(units) / double((units + blocks - 1) / blocks * blocks);
-  };
-  int best = 1;
-  // More parts only where they fill 5% more of the waves, each part at least 32 K blocks.
-  for (int splits = 2; splits <= 16 && k_blocks / splits >= 32; ++splits) {
-    if (filled(splits) > filled(best) + 0.05) best = splits;
-  }
-  return best;
-}
-
 void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& context) {
   check_sm90a(context);
   if (call.m == 0 || call.n == 0) return;
@@ -207,19 +205,27 @@ void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& cont
     auto kernel = &gemm_grad_input_kernel<T>;
     check(max_dynamic_smem(kernel, context.device) >= size_t(kGiSmemBytes),
           "gemm_grad_input needs 197 KB of shared memory a block, more than this GPU gives");
+    const int64_t blocks = multiprocessor_count(context.device);
     GiTiles tiles;
     tiles.tiles_m = static_cast<int>((call.m + kGiTileM - 1) / kGiTileM);
     tiles.tiles_n = static_cast<int>((call.n + kGiTileN - 1) / kGiTileN);
     tiles.k_blocks = static_cast<int>((call.k + kGemmTileK - 1) / kGemmTileK);
-    tiles.splits = call.splits;
     tiles.tiles = int64_t(tiles.tiles_m) * tiles.tiles_n;
+    tiles.splits = grad_input_splits(tiles.tiles, tiles.k_blocks, blocks);
     tiles.units = tiles.tiles * tiles.splits;
-    int64_t grid = std::min<int64_t>(multiprocessor_count(context.device), tiles.units);
+    GemmGradInput launched = call;
+    if (tiles.splits > 1) {  // the parts' float32 sum and each tile's two flags (a consumer's rows each), zeroed
+      launched.partial = static_cast<float*>(context.allocate(context.owner, size_t(call.m) * call.n * sizeof(float)));
+      const size_t flag_bytes = size_t(2 * tiles.tiles) * sizeof(int);
+      launched.flags = static_cast<int*>(context.allocate(context.owner, flag_bytes));
+      cuda_check(cudaMemsetAsync(launched.flags, 0, flag_bytes, context.stream), "cudaMemsetAsync");
+    }
+    int64_t grid = std::min<int64_t>(blocks, tiles.units);
     if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
     const CUtensorMap e_map = k_major_tensor_map(call.e, call.m, call.k, call.ld_e, kGiTileM, call.dtype);
     const CUtensorMap w_map = n_major_tensor_map(call.w, call.k, call.n, call.ld_w, call.dtype);
     launch_kernel(kernel, grid, kGemmThreads, kGiSmemBytes, 1, context.device, context.stream, e_map, w_map, tiles,
-                  call);
+                  launched);
   } else {
     check(false, "gemm_grad_input takes bfloat16 operands");
   }
@@ -234,8 +240,6 @@ void gemm_nt_launch(const GemmCall&, const LaunchContext&) {
 void gemm_row_stats_launch(const GemmCall&, const GemmRowStats&, const LaunchContext&) {
   check(false, "gemm_row_stats needs a CUDA 12 build (this one is older) on compute capability 9.0");
 }
-
-int grad_input_splits(int64_t, int64_t, int64_t, int) { return 1; }
 
 void gemm_grad_input_launch(const GemmGradInput&, const LaunchContext&) {
   check(false, "gemm_grad_input needs a CUDA 12 build (this one is older) on compute capability 9.0");

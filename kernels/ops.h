@@ -171,9 +171,9 @@ constexpr int64_t kGemmRowStatsTileColumns = 192;
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
 // d input from row_stats' training form (gemm_sm90_grad_input.cuh): out (m, n) = g W, g the logits'
 // gradient for a grad_output of 1 (row_passes' formula without smoothing or the entropy's term) from the
-// combined statistics, w the
-// linear weight (k classes, n), n contiguous. splits > 1 sums K in that many parts, in order, through
-// partial ((m, n) float32) and flags (2 tiles_m tiles_n int32 zeros).
+// combined statistics, w the linear weight (k classes, n), n contiguous. The launcher sets partial and flags:
+// where the tiles fill less than a wave, K in parts summed in order through partial ((m, n) float32) and flags
+// (2 int32 zeros a tile), scratch from the LaunchContext.
 struct GemmGradInput {
   DType dtype;
   int64_t m, n, k;
@@ -191,11 +191,8 @@ struct GemmGradInput {
   int64_t ld_out;
   float* partial;
   int* flags;
-  int splits;
   int64_t max_blocks;
 };
-// K parts for an m x n d input on this GPU: the tiles a wave holds, filled (gemm_sm90_grad_input.cuh).
-int grad_input_splits(int64_t m, int64_t n, int64_t k, int device);
 void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& context);
 // row_stats' partials (tiles, stat_rows, rows) combined into the rows' (stat_rows, rows), float32
 // (row_stats_combine.cuh).
