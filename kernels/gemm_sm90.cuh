@@ -569,7 +569,66 @@ __device__ __forceinline__ void gemm_row_stats_warp_rows(const float (&d)[kColum
 // is written as E = 2^(u log2 e - k) dz'/dz, k = ceil(the row's max u over the piece x log2 e) (piece_max
 // holds k), 0 at the target (its gradient, -others / sum, is added apart: p - 1 would cancel), so that d
 // input's product needs only an exact power of two a row and piece (gemm_grad_input). The piece's max comes
-// first, from the rounded logits (u rises with them), so each value's exp is taken once, relative to it.
+// first, from the rounded logits (u rises with them), so each value's exp is taken once, relative to 2^k.
+// At Gemma 2's K = 2304 this epilogue must fit under the other consumer's main loop: a value costs ~5
+// instructions (~14 with a softcap) on the common chunk (all columns classes, not the target's), and the sums
+// are taken relative to 2^k' and moved onto the max once a piece (notes v62).
+
+// A lane's sums over its values of one piece, f = 2^(u log2 e - k'): k' = k, or k - 2 with a softcap, whose
+// slope 4 q (1 - q) then makes E = f q (1 - q). x is z, or tanh(z / cap) with a softcap.
+struct FormPieceSums {
+  float others = 0.f;    // f over the classes but the target
+  float target_f = 0.f;  // the target's f
+  float target_x = 0.f;  // the target's x
+  float x_sum = 0.f;     // x over the classes
+};
+
+// One chunk of 8 staged values in place: E's pairs written over the logits'. kChecked: some columns may be past
+// the classes (from `valid` on: E 0, left out) or the target's (t: E 0, its f and x apart).
+template <typename T, bool kCapped, bool kChecked>
+__device__ __forceinline__ void form_chunk(uint32_t (&words)[4], const Softcap<T>& softcap, float x_to_log2,
+                                           float minus_k, int valid, int t, FormPieceSums& sums) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    float z[2], e[2];
+    unpack_pair<T>(words[w], z[0], z[1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = 2 * w + h;
+      float x = z[h], slope_4 = 1.f;  // a softcap's slope / 4
+      if constexpr (kCapped) {
+        const float y = softcap.y_of(x);
+        const float q = softcap.q_of(y);
+        x = softcap.tanh_of(y, q);
+        slope_4 = fmaf(-q, q, q);
+      }
+      float f = exp2_flush_subnormal(fmaf(x, x_to_log2, minus_k));
+      if (kChecked && col >= valid) f = x = 0.f;
+      if (kChecked && col == t) {
+        sums.target_f = f;
+        sums.target_x = x;
+        f = 0.f;
+      }
+      sums.others += f;
+      sums.x_sum += x;
+      e[h] = kCapped ? f * slope_4 : f;
+    }
+    words[w] = pack_pair<T>(e[0], e[1]);
+  }
+}
+
+// The larger of each half of two staged pairs (NaN loses, as max_acc).
+template <typename T>
+__device__ __forceinline__ uint32_t max_pairs(uint32_t a, uint32_t b) {
+  uint32_t larger;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(larger) : "r"(a), "r"(b));
+  } else {
+    asm("max.f16x2 %0, %1, %2;" : "=r"(larger) : "r"(a), "r"(b));
+  }
+  return larger;
+}
+
 template <typename T, int kColumns>
 __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kColumns / 2], unsigned char* staging,
                                                            const GemmRowStats& out, const GemmTiles& tiles,
@@ -580,7 +639,9 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
   const int row = row0 + r;
   const bool row_ok = row < tiles.m;
   const Softcap<T> softcap(out.softcap, out.softcap_inverse);
+  const bool capped = out.softcap != 0.f;
   const float s = out.inverse_temperature;
+  const float x_to_u = capped ? out.softcap * s : s;  // u = x_to_u x (as Softcap::apply, then s, up to a rounding)
   const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;
   const int target = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
   GemmTiles e_tiles = tiles;
@@ -589,59 +650,69 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
 #pragma unroll  // d is indexed by piece: a rolled loop would put it in local memory
   for (int piece = 0; piece < kColumns / kGemmStagingColumns; ++piece) {
     const int piece_col = kGemmStagingColumns * piece;
+    const int lane_col = piece_col + 8 * kChunks * half;       // the lane's first column in the tile
+    const int lane_valid = tiles.n - (col0 + lane_col);         // its columns that are classes, if < 8 kChunks
     gemm_stage_piece<T, kColumns>(d, staging, piece);
     __syncwarp();
     float raw_max = -infinity<float>();
-#pragma unroll 1
-    for (int i = 0; i < kChunks; ++i) {
-      const int first = piece_col + 8 * (kChunks * half + i);
-      const uint4 value = *reinterpret_cast<const uint4*>(staging + gemm_staged_offset(r, kChunks * half + i));
-      const uint32_t words[4] = {value.x, value.y, value.z, value.w};
-      const int valid = tiles.n - (col0 + first);
+    if (lane_valid >= 8 * kChunks) {
+      uint32_t pairs = 0xff80ff80u;  // -inf twice, as bf16; float16's -inf is 0xfc00
+      if constexpr (!std::is_same_v<T, c10::BFloat16>) pairs = 0xfc00fc00u;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        float lo, hi;
-        unpack_pair<T>(words[w], lo, hi);
-        if (2 * w < valid) raw_max = max_acc(raw_max, lo);
-        if (2 * w + 1 < valid) raw_max = max_acc(raw_max, hi);
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 value = *reinterpret_cast<const uint4*>(staging + gemm_staged_offset(r, kChunks * half + i));
+        pairs = max_pairs<T>(pairs, max_pairs<T>(max_pairs<T>(value.x, value.y), max_pairs<T>(value.z, value.w)));
+      }
+      float lo, hi;
+      unpack_pair<T>(pairs, lo, hi);
+      raw_max = max_acc(lo, hi);
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 value = *reinterpret_cast<const uint4*>(staging + gemm_staged_offset(r, kChunks * half + i));
+        const uint32_t words[4] = {value.x, value.y, value.z, value.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          float lo, hi;
+          unpack_pair<T>(words[w], lo, hi);
+          if (8 * i + 2 * w < lane_valid) raw_max = max_acc(raw_max, lo);
+          if (8 * i + 2 * w + 1 < lane_valid) raw_max = max_acc(raw_max, hi);
+        }
       }
     }
     raw_max = max_acc(raw_max, __shfl_xor_sync(0xffffffffu, raw_max, 1));
     const float piece_max = raw_max == -infinity<float>() ? raw_max : softcap.apply(raw_max) * s;
-    const float base = piece_max == -infinity<float>() ? 0.f : piece_max;  // all -inf: exp(-inf - 0) = 0
     // E is written relative to 2^exponent, exponent = ceil(max log2 e): d input's product then scales a piece by
-    // an exact power of two (gemm_sm90_grad_input.cuh).
+    // an exact power of two (gemm_sm90_grad_input.cuh). A piece of masked classes only: exponent -inf, E 0.
     const float exponent = piece_max == -infinity<float>() ? piece_max : ceilf(piece_max * kLog2e);
-    const float to_exponent = piece_max == -infinity<float>() ? 0.f : exp2f(piece_max * kLog2e - exponent);
-    TileStatsPart part{piece_max, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const float k_f = piece_max == -infinity<float>() ? 0.f : exponent - (capped ? 2.f : 0.f);  // k'
+    FormPieceSums sums;
 #pragma unroll 1
     for (int i = 0; i < kChunks; ++i) {
-      const int chunk = kChunks * half + i;
-      const int first = piece_col + 8 * chunk;
-      uint4& value = *reinterpret_cast<uint4*>(staging + gemm_staged_offset(r, chunk));
+      const int t = target - (lane_col + 8 * i);
+      uint4& value = *reinterpret_cast<uint4*>(staging + gemm_staged_offset(r, kChunks * half + i));
       uint32_t words[4] = {value.x, value.y, value.z, value.w};
-      const int valid = tiles.n - (col0 + first);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        float z[2], e[2];
-        unpack_pair<T>(words[w], z[0], z[1]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float slope;
-          const float u = softcap.apply(z[h], slope) * s;
-          const bool in = 2 * w + h < valid;
-          const float ex = in ? exp_minus<T>(u, base) : 0.f;
-          part.sum += ex;
-          if (in) part.logit_sum += u;
-          const bool at_target = first + 2 * w + h == target;
-          if (at_target) part.target = u;
-          part.others += at_target ? 0.f : ex;
-          e[h] = at_target ? 0.f : ex * (slope * to_exponent);
+      const int valid = lane_valid - 8 * i;
+      const bool checked = valid < 8 || (t >= 0 && t < 8);
+      if (capped) {
+        if (checked) {
+          form_chunk<T, true, true>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
+        } else {
+          form_chunk<T, true, false>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
         }
-        words[w] = pack_pair<T>(e[0], e[1]);
+      } else if (checked) {
+        form_chunk<T, false, true>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
+      } else {
+        form_chunk<T, false, false>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
       }
       value = make_uint4(words[0], words[1], words[2], words[3]);
     }
+    // The piece's sums moved from 2^k' onto its max, as row_stats holds them.
+    const float to_max = piece_max == -infinity<float>() ? 1.f : exp2f(k_f - piece_max * kLog2e);
+    const bool has_target = target >= lane_col && target < lane_col + 8 * kChunks;
+    const float target_u = capped ? static_cast<float>(out.softcap * sums.target_x) * s : sums.target_x * s;
+    TileStatsPart part{piece_max, (sums.others + sums.target_f) * to_max, has_target ? target_u : 0.f,
+                       sums.x_sum * x_to_u, sums.others * to_max, 0.f};
     const float max = max_acc(stats.max, piece_max);
     TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
     add_part_at(total, stats, max, false);
