@@ -605,9 +605,10 @@ __device__ __forceinline__ void form_chunk(uint32_t (&words)[4], const Softcap<T
         slope_4 = fmaf(-q, q, q);
       }
       float f = exp2_flush_subnormal(fmaf(x, x_to_log2, minus_k));
-      if (kChecked && col >= valid) f = x = 0.f;
+      float distance = x - x_max;  // past the classes, x_max may be -inf
+      if (kChecked && col >= valid) f = x = distance = 0.f;
       // A masked class (x = -inf, f = 0) adds 0, not 0 x -inf: the distance is held finite.
-      if constexpr (kEntropy) sums.spread = fmaf(f, fmaxf(x - x_max, -3e38f), sums.spread);
+      if constexpr (kEntropy) sums.spread = fmaf(f, fmaxf(distance, -3e38f), sums.spread);
       if (kChecked && col == t) {
         sums.target_f = f;
         sums.target_x = x;
