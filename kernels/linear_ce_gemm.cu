@@ -117,22 +117,6 @@ int group_for(int64_t grid, int tiles_m) {
   return group < tiles_m ? group : tiles_m;
 }
 
-// The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T, Epilogue>
-// over call's tiles; make_epilogue(T tag) gives the epilogue.
-// K parts for grad_input's tiles: the fewest that fill the waves of `blocks` to within 5% of the best, each part
-// at least 32 K blocks (the same for every run and grid on a GPU: the bits follow the parts).
-int grad_input_splits(int64_t tiles, int k_blocks, int64_t blocks) {
-  auto filled = [&](int64_t splits) {  // the share of the waves' units that are work
-    const int64_t units = tiles * splits;
-    return double(units) / double((units + blocks - 1) / blocks * blocks);
-  };
-  int best = 1;
-  for (int splits = 2; splits <= 16 && k_blocks / splits >= 32; ++splits) {
-    if (filled(splits) > filled(best) + 0.05) best = splits;
-  }
-  return best;
-}
-
 void check_sm90a(const LaunchContext& context) {
   check(device_is_sm90(context.device),
         "linear_ce_gemm's products run on compute capability 9.0 only (H100, H200): their wgmma code is sm_90a");
@@ -140,6 +124,8 @@ void check_sm90a(const LaunchContext& context) {
         "linear_ce_gemm was built without sm_90a (load it with loader.load('linear_ce_gemm', dtype, arch='9.0a'))");
 }
 
+// The checks every product's launch makes, then the persistent launch of gemm_nt_kernel<T, Epilogue>
+// over call's tiles; make_epilogue(T tag) gives the epilogue.
 template <typename MakeEpilogue>
 void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogue make_epilogue) {
   check_sm90a(context);
@@ -175,6 +161,20 @@ void launch_gemm(const GemmCall& call, const LaunchContext& context, MakeEpilogu
       throw std::invalid_argument("fused_losses: linear_ce_gemm's products take bfloat16 or float16 operands");
     }
   });
+}
+
+// K parts for grad_input's tiles: the fewest that fill the waves of `blocks` to within 5% of the best, each part
+// at least 32 K blocks (the same for every run and grid on a GPU: the bits follow the parts).
+int grad_input_splits(int64_t tiles, int k_blocks, int64_t blocks) {
+  auto filled = [&](int64_t splits) {  // the share of the waves' units that are work
+    const int64_t units = tiles * splits;
+    return double(units) / double((units + blocks - 1) / blocks * blocks);
+  };
+  int best = 1;
+  for (int splits = 2; splits <= 16 && k_blocks / splits >= 32; ++splits) {
+    if (filled(splits) > filled(best) + 0.05) best = splits;
+  }
+  return best;
 }
 
 }  // namespace

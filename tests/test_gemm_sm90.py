@@ -371,9 +371,9 @@ def scaled_operands(m, n, k, dtype):
 @pytest.mark.parametrize("softcap,temperature,z_loss,bias,stat_rows", [
     (0.0, 1.0, 0.0, False, 5), (30.0, 0.7, 1e-4, True, 5), (0.0, 0.7, 0.0, True, 6), (30.0, 1.0, 0.0, False, 6)])
 def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature, z_loss, bias, stat_rows):
-    """The statistics are row_stats' (5 rows, or 6 with the entropy's); d input's error against float64 (of the same rounded logits) within
-    1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes (-inf bias, whole
-    pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
+    """The statistics are row_stats' (5 rows, or 6 with the entropy's); d input's error against float64 (of the same
+    rounded logits) within 1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes
+    (-inf bias, whole pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
     (the tiles filling less than a wave: 16 parts for 129 x 264, 8 for 1024 x 512), ragged M, N and K."""
     import row_passes
     ops = builds[torch.bfloat16]
