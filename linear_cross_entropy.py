@@ -161,38 +161,39 @@ def fused_product(x, weight, bias) -> bool:
         x.shape[1] % 8 == 0
 
 
-def gradient_form(x, weight, bias, wants, label_smoothing: float, frozen_head: bool = False) -> bool:
+def gradient_form(x, weight, bias, wants, label_smoothing: float, stat_rows: int = row_passes.STAT_ROWS,
+                  frozen_head: bool = False) -> bool:
     """The one choice of how a frozen head's chunk of rows makes d input: by our sm_90a products
     (linear_ce_gemm's row_stats_training writes the logits' gradient form, E, with the statistics; grad_input
     multiplies it by the weight, scaling each row and 64 classes as it reads them: no pass over the chunk), or by
     cuBLAS and the row passes. The form takes the fused product (fused_product), bfloat16 (float16 gradients wait
-    for their loss scale), and no label smoothing (its term is not a row's multiple of E); the entropy's sum rides
-    along (stat_rows 6; its gradient, if wanted, makes the logits again). A frozen head only (no d weight, none
+    for their loss scale), and no label smoothing or entropy (their terms are not a row's multiple of E; the
+    entropy's sum carried in the form measured no faster, notes v63). A frozen head only (no d weight, none
     recomputed later): H200, power-capped, Gemma 2's frozen step 7% faster and Llama 3's the same, with less
     memory; a 2-byte d weight's forward measured 2% slower (notes v61, v62)."""
     return (frozen_head and tuple(wants) == (True, False, False) and x.dtype == torch.bfloat16
-            and not label_smoothing and fused_product(x, weight, bias))
+            and not label_smoothing and stat_rows == row_passes.STAT_ROWS and fused_product(x, weight, bias))
 
 
-def gradient_form_rows(vocab: int, hidden: int, stat_rows: int = row_passes.STAT_ROWS) -> int:
+def gradient_form_rows(vocab: int, hidden: int) -> int:
     """Rows a chunk where gradient_form: as many as keep E and its pieces' exponents, with the statistics'
     partials or (after them, in their memory) d input's float32 sum, within the logits a cuBLAS chunk of
     row_chunk_rows holds, in whole ROW_ALIGN tiles."""
     budget = row_chunk_rows(vocab, 2) * vocab * 2
-    per_row = 2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64) + max(4 * stat_rows * -(-vocab // 192), 4 * hidden)
+    per_row = 2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64) + max(20 * -(-vocab // 192), 4 * hidden)
     return max(budget // per_row // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
 
 
 def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, softcap: float, temperature: float,
-                         stat_rows: int, grad_x):
-    """A chunk of rows by the gradient form (gradient_form): its statistics (stat_rows, rows) returned, its d input
-    for a grad_output of 1 written into grad_x."""
+                         grad_x):
+    """A chunk of rows by the gradient form (gradient_form): its statistics (5, rows) returned, its d input for a
+    grad_output of 1 written into grad_x."""
     ops = helpers.kernel_ops("linear_ce_gemm", x)
     rows, vocab = x.shape[0], weight.shape[0]
     e = torch.empty(rows, -(-vocab // 8) * 8, dtype=x.dtype, device=x.device)[:, :vocab]  # rows 16 B-aligned
     piece_max = torch.empty(-(-vocab // 64), rows, dtype=torch.float32, device=x.device)
     partials = ops.row_stats_training(x, weight, None if bias is None else bias.contiguous(), target, float(softcap),
-                                      float(temperature), stat_rows, e, piece_max, 0)
+                                      float(temperature), e, piece_max, 0)
     stats = ops.combine_row_stats(partials)
     del partials
     ops.grad_input(e, piece_max, weight, stats, target, row_scale, float(z_loss), float(softcap), float(temperature),
@@ -200,12 +201,13 @@ def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, soft
     return stats
 
 
-def build_together(rows, weight, bias, wants, schedule: str, label_smoothing: float = 0.0) -> None:
+def build_together(rows, weight, bias, wants, schedule: str, label_smoothing: float = 0.0,
+                   stat_rows: int = row_passes.STAT_ROWS) -> None:
     """A first call that needs two builds (the classes schedule's fused statistics, then its row passes' gradient;
     a frozen head's gradient form, then the row passes' scale of d input by grad_output) has them built side by
     side, not one after the other."""
     if ((schedule == "classes" and any(wants) and fused_product(rows, weight, bias)) or
-            (schedule == "rows" and gradient_form(rows, weight, bias, wants, label_smoothing, True))):
+            (schedule == "rows" and gradient_form(rows, weight, bias, wants, label_smoothing, stat_rows, True))):
         helpers.loader.load_together_for_device(("linear_ce_gemm", "row_passes"), rows.device, rows.dtype)
 
 
@@ -277,15 +279,14 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
     # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
     grad_b = torch.zeros(vocab, dtype=acc, device=x.device) if wants[2] else None
-    form = gradient_form(x, weight, bias, wants, label_smoothing, frozen_head)
-    height = gradient_form_rows(vocab, x.shape[1], stat_rows) if form else row_chunk_rows(vocab, x.element_size(),
-                                                                                       wants[1])
+    form = gradient_form(x, weight, bias, wants, label_smoothing, stat_rows, frozen_head)
+    height = gradient_form_rows(vocab, x.shape[1]) if form else row_chunk_rows(vocab, x.element_size(), wants[1])
     for first in range(0, rows, height):
         end = min(first + height, rows)
         if form:
             stats[:, first:end] = _gradient_form_chunk(x[first:end], weight, bias, target[first:end],
                                                        row_scale[first:end], z_loss, softcap, temperature,
-                                                       stat_rows, grad_x[first:end])
+                                                       grad_x[first:end])
             continue
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device, stat_rows)  # contiguous, for the kernels
@@ -876,7 +877,8 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
         # A frozen head's d input in the forward (eager: a compiled graph keeps the chunks of classes).
         schedule = "classes" if helpers.is_compiling() else choose_schedule(wants, "none", weight.dtype, rows.dtype,
                                                                             shards, softcap or 0.0)
-        build_together(rows, weight, bias, wants, schedule)
+        build_together(rows, weight, bias, wants, schedule, 0.0,
+                       row_passes.ENTROPY_STAT_ROWS if return_entropy else row_passes.STAT_ROWS)
         values, entropy = LinearLogProbsFunction.apply(rows, weight, bias, rows_target, (
             int(ignore_index), float(softcap or 0.0), float(temperature), bool(return_entropy), shards, wants,
             schedule))

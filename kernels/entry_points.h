@@ -669,15 +669,15 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
   return partials;
 }
 
-// row_stats (stat_rows 5 or 6) and the training form d input's product reads (gemm_grad_input): e (m, n) bfloat16,
-// rows 16 B-aligned (its row stride a multiple of 8), E = 2^(u log2 e - k) dz'/dz, 0 at the target; piece_max
-// (ceil(n / 64), m) float32, each 64 classes' k.
+// row_stats (5 rows) and the training form d input's product reads (gemm_grad_input): e (m, n) bfloat16, rows
+// 16 B-aligned (its row stride a multiple of 8), E = exp(u - the piece's max) dz'/dz, 0 at the target; piece_max
+// (ceil(n / 64), m) float32.
 inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_RETURNS linear_ce_gemm_row_stats_training(
     FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_PARAMS) {
   GemmCall call = gemm_call(a, b, max_blocks);
   TORCH_CHECK_VALUE(a.scalar_type() == at::kBFloat16, "gemm_row_stats_training: a and b must be bfloat16");
   at::Tensor partials;
-  GemmRowStats stats = row_stats_arguments(call, a, bias, target, softcap, temperature, stat_rows, partials);
+  GemmRowStats stats = row_stats_arguments(call, a, bias, target, softcap, temperature, 5, partials);
   TORCH_CHECK_VALUE(e.device() == a.device() && e.dim() == 2 && e.size(0) == call.m && e.size(1) == call.n &&
                         e.scalar_type() == a.scalar_type() && (e.stride(1) == 1 || call.n <= 1) &&
                         (e.stride(0) % 8 == 0 || call.m <= 1) && reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0,
@@ -696,7 +696,7 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_RETURNS linear_ce_gemm_row
 }
 
 // d input (m, n) = g w for the logits' gradient g that row_stats_training's e, piece_max and the combined stats
-// ((5 or 6, m)) give, for a grad_output of 1 and row_scale (m,), without label
+// ((5, m)) give, for a grad_output of 1 and row_scale (m,), without label
 // smoothing or the entropy's term (gemm_sm90_grad_input.cuh), into out ((m, n) bfloat16, n contiguous).
 // w: (classes, n) bfloat16, n contiguous, rows 16 B-aligned.
 inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
@@ -719,9 +719,9 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
     return t.device() == e.device() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
            t.size(0) == rows && t.size(1) == columns;
   };
-  TORCH_CHECK_VALUE(rows_of(piece_max, (k + 63) / 64, m) && (rows_of(stats, 5, m) || rows_of(stats, 6, m)),
-                    "gemm_grad_input: piece_max (ceil(classes / 64), m) and stats (5 or 6, m) must be contiguous "
-                    "float32 tensors on e's device");
+  TORCH_CHECK_VALUE(rows_of(piece_max, (k + 63) / 64, m) && rows_of(stats, 5, m),
+                    "gemm_grad_input: piece_max (ceil(classes / 64), m) and stats (5, m) must be contiguous float32 "
+                    "tensors on e's device");
   TORCH_CHECK_VALUE(row_scale.device() == e.device() && row_scale.scalar_type() == at::kFloat &&
                         row_scale.dim() == 1 && row_scale.size(0) == m && row_scale.is_contiguous() &&
                         target.device() == e.device() && target.dim() == 1 && target.size(0) == m &&

@@ -182,7 +182,7 @@ struct GemmGradInput {
   const void* w;
   int64_t ld_w;
   const float* piece_max;      // (ceil(k / 64), m): E's exponents (GemmRowStats)
-  const float* stats;          // (5 or 6, m): the rows' statistics (row_passes.cu's rows; the 6th unread)
+  const float* stats;          // (5, m): the rows' statistics (row_passes.cu's rows)
   const float* row_scale;      // (m)
   const void* target;
   bool target_int32;

@@ -338,12 +338,12 @@ def test_rows_that_overlap_take_the_cublas_chunks():
 # The training form (row_stats_training: E = exp(u - each 64 classes' max) dz'/dz, 0 at the target) and
 # grad_input (d input = g W from E, scaled a row and 64 classes at a time as the product reads it).
 
-def training_form(ops, x, w, bias, target, softcap, temperature, stat_rows=5):
-    """(E, piece_max, stats (stat_rows, m)) of x @ w.T (+ bias)."""
+def training_form(ops, x, w, bias, target, softcap, temperature):
+    """(E, piece_max, stats (5, m)) of x @ w.T (+ bias)."""
     m, n = x.shape[0], w.shape[0]
     e = torch.full((m, -(-n // 8) * 8), float("nan"), device="cuda", dtype=x.dtype)[:, :n]
     piece_max = torch.full((-(-n // 64), m), float("nan"), device="cuda")
-    partials = ops.row_stats_training(x, w, bias, target, softcap, temperature, stat_rows, e, piece_max, 0)
+    partials = ops.row_stats_training(x, w, bias, target, softcap, temperature, e, piece_max, 0)
     return e, piece_max, ops.combine_row_stats(partials)
 
 
@@ -368,12 +368,11 @@ def scaled_operands(m, n, k, dtype):
 
 
 @pytest.mark.parametrize("m,n,k", [(300, 1000, 256), (129, 50257, 264), (1024, 32000, 512), (513, 4077, 2304)])
-@pytest.mark.parametrize("softcap,temperature,z_loss,bias,stat_rows", [
-    (0.0, 1.0, 0.0, False, 5), (30.0, 0.7, 1e-4, True, 5), (0.0, 0.7, 0.0, True, 6), (30.0, 1.0, 0.0, False, 6)])
-def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature, z_loss, bias, stat_rows):
-    """The statistics are row_stats' (5 rows, or 6 with the entropy's); d input's error against float64 (of the same
-    rounded logits) within 1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes
-    (-inf bias, whole pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
+@pytest.mark.parametrize("softcap,temperature,z_loss,bias", [(0.0, 1.0, 0.0, False), (30.0, 0.7, 1e-4, True)])
+def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature, z_loss, bias):
+    """The statistics are row_stats' (5 rows); d input's error against float64 (of the same rounded logits) within
+    1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes (-inf bias, whole
+    pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
     (the tiles filling less than a wave: 16 parts for 129 x 264, 8 for 1024 x 512), ragged M, N and K."""
     import row_passes
     ops = builds[torch.bfloat16]
@@ -386,10 +385,10 @@ def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature
     if bias:
         target[(target >= 64) & (target < 200)] = 3  # no masked target
     row_scale = torch.where(target == -100, 0.0, torch.rand(m, device="cuda") + 0.5)
-    e, piece_max, stats = training_form(ops, x, w, bias_, target, softcap, temperature, stat_rows)
-    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias_, target, softcap, temperature, stat_rows, 0))
+    e, piece_max, stats = training_form(ops, x, w, bias_, target, softcap, temperature)
+    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias_, target, softcap, temperature, 5, 0))
     logits = torch.nn.functional.linear(x, w, bias_)
-    others = [0, 1, 2, 4, 5][:stat_rows - 1]  # row 3's signed sum on each row's sum |u| (logit_sum_scale)
+    others = [0, 1, 2, 4]  # row 3's signed sum on each row's sum |u| (logit_sum_scale)
     torch.testing.assert_close(stats[others], plain[others], rtol=2e-6, atol=2e-6 * max(1, n / 4096))
     close = (stats[3] - plain[3]).abs() <= 4e-6 * logit_sum_scale(logits, softcap, temperature)
     assert (close | (stats[3] == plain[3])).all(), "row 3"
@@ -450,9 +449,9 @@ def test_grad_input_refuses_bad_arguments(builds):
     with pytest.raises(ValueError, match="row_scale"):
         ops.grad_input(e, piece_max, w, stats, target, row_scale[:5], 0.0, 0.0, 1.0, out, 0)
     with pytest.raises(ValueError, match="e must be"):
-        ops.row_stats_training(x, w, None, target, 0.0, 1.0, 5, e[:, :299], piece_max, 0)
+        ops.row_stats_training(x, w, None, target, 0.0, 1.0, e[:, :299], piece_max, 0)
     with pytest.raises(ValueError, match="bfloat16"):
-        ops.row_stats_training(x.half(), w.half(), None, target, 0.0, 1.0, 5, e, piece_max, 0)
+        ops.row_stats_training(x.half(), w.half(), None, target, 0.0, 1.0, e, piece_max, 0)
 
 
 @pytest.mark.parametrize("softcap,z_loss,reduction", [(None, 0.0, "mean"), (30.0, 1e-4, "sum"), (None, 0.0, "none")])
@@ -468,9 +467,10 @@ def test_a_frozen_heads_d_input_through_the_training_form(builds, softcap, z_los
     target = targets(m, n)
     weights = torch.rand(m, device="cuda") + 0.5
     assert linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, frozen_head=True)
-    # Not a 2-byte d weight's forward (its backward recomputes the logits), nor with smoothing.
+    # Not a 2-byte d weight's forward (its backward recomputes the logits), nor with smoothing or the entropy.
     assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0)
     assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.1, frozen_head=True)
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6, frozen_head=True)
     assert not linear_cross_entropy.gradient_form(x.half(), w.half(), None, (True, False, False), 0.0,
                                                   frozen_head=True)
 
