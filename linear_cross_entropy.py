@@ -180,7 +180,8 @@ def gradient_form_rows(vocab: int, hidden: int) -> int:
     partials or (after them, in their memory) d input's float32 sum, within the logits a cuBLAS chunk of
     row_chunk_rows holds, in whole ROW_ALIGN tiles."""
     budget = row_chunk_rows(vocab, 2) * vocab * 2
-    per_row = 2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64) + max(20 * -(-vocab // 192), 4 * hidden)
+    partials = 4 * row_passes.STAT_ROWS * -(-vocab // 192)  # row_stats' float32 partials a row
+    per_row = 2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64) + max(partials, 4 * hidden)
     return max(budget // per_row // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
 
 

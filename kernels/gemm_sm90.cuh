@@ -642,6 +642,7 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
   const bool capped = out.softcap != 0.f;
   const float s = out.inverse_temperature;
   const float x_to_u = capped ? out.softcap * s : s;  // u = x_to_u x (as Softcap::apply, then s, up to a rounding)
+  const float x_to_log2 = x_to_u * kLog2e;
   const int64_t target_col = row_ok ? target_of(out.target, out.target_int32, row) - col0 : -1;
   const int target = target_col >= 0 && target_col < kColumns ? static_cast<int>(target_col) : -1;
   GemmTiles e_tiles = tiles;
@@ -696,14 +697,14 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
       const bool checked = valid < 8 || (t >= 0 && t < 8);
       if (capped) {
         if (checked) {
-          form_chunk<T, true, true>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
+          form_chunk<T, true, true>(words, softcap, x_to_log2, -k_f, valid, t, sums);
         } else {
-          form_chunk<T, true, false>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
+          form_chunk<T, true, false>(words, softcap, x_to_log2, -k_f, valid, t, sums);
         }
       } else if (checked) {
-        form_chunk<T, false, true>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
+        form_chunk<T, false, true>(words, softcap, x_to_log2, -k_f, valid, t, sums);
       } else {
-        form_chunk<T, false, false>(words, softcap, x_to_u * kLog2e, -k_f, valid, t, sums);
+        form_chunk<T, false, false>(words, softcap, x_to_log2, -k_f, valid, t, sums);
       }
       value = make_uint4(words[0], words[1], words[2], words[3]);
     }
