@@ -198,6 +198,8 @@ ODD_LONG_ROW = "odd C = 40001 beyond the register cache (rows start off 16 bytes
 ODD_ROW = "odd C = 1001 (rows start off 16 bytes: edge elements)"
 VIEW_OFF_16_BYTES = "view from the second row (data off 16 bytes)"
 STREAMED_ROW = "very long row (C = 270000: front in shared memory, the rest read twice)"
+# 4095 packs of 2-byte logits: in registers only by a block alone on its multiprocessor (pipelined on sm_90)
+WIDE_ROW = "wide row C = 32760"
 
 # Without grad, many rows longer than a warp's register cache are read by a warp each
 # (kWarpRows): at least 8 per multiprocessor, of 2-byte logits or rows of at most 8 KB (C =
@@ -229,6 +231,7 @@ SHAPES = {
     LONG_ROW: lambda dtype: randn(5, 40000, dtype=dtype),
     ODD_LONG_ROW: lambda dtype: randn(3, 40001, dtype=dtype),
     STREAMED_ROW: lambda dtype: randn(2, 270000, dtype=dtype),
+    WIDE_ROW: lambda dtype: randn(3, 32760, dtype=dtype),
     "LLM vocabulary C = 128256": lambda dtype: randn(3, 128256, dtype=dtype),
     WARP_ROWS: lambda dtype: rows_per_multiprocessor(32, {2: 4099, 4: 2049, 8: 1023}[torch.finfo(dtype).bits // 8])(dtype),
 }
@@ -277,6 +280,14 @@ def test_cases_take_the_paths_the_tests_expect(dtype):
     assert path(LONG_ROW) == path(STREAMED_ROW) == "streamed_sum_rows"
     assert path(LONG_ROW, grad=True) == ("pipelined_rows" if sm90 else "stashed_rows")
     assert path(LONG_ROW, grad=True, label_smoothing=0.1) == path(LONG_ROW, reduction="none") == "stashed_rows"
+    # sm_90 pipelines a 2-byte row that the registers hold only in a block alone on its multiprocessor
+    two_bytes = dtype in (torch.float16, torch.bfloat16)
+    assert path(WIDE_ROW, grad=True) == ("pipelined_rows" if sm90 else "register_rows" if two_bytes else "stashed_rows")
+    assert path(WIDE_ROW) == ("register_rows" if two_bytes else "streamed_sum_rows")
+    for packs in (2048, 3072):  # 2048: two blocks of 256 fit; 3072 4-byte logits: 512 threads, kept
+        row = randn(3, packs * 128 // torch.finfo(dtype).bits, dtype=dtype)
+        expected = "pipelined_rows" if sm90 and two_bytes and packs > 2048 else "register_rows"
+        assert path_of(row, class_targets(row), grad=True) == expected, packs
 
 
 # Each path forced on cases it can run, where most of them take another path: every kernel

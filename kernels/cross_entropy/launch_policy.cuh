@@ -254,14 +254,30 @@ const char* why_path_cannot_run(CrossEntropyPath path, const CrossEntropyShape& 
   return "it is no path";
 }
 
+// 2-byte rows whose gradient the register path would take by a block alone on its
+// multiprocessor (512 threads, more than 64 registers each): its loads stop for each row's
+// reductions and no other block's cover them; the pipelined kernel keeps rows on their way
+// (notes, v64; float32 rows there gained at 2049 packs but lost from 3072).
+template <typename Cfg>
+bool pipelines_register_rows(const CrossEntropyShape& shape) {
+  using T = typename Cfg::scalar;
+  if (sizeof(T) != 2) return false;
+  int threads = 32;
+  while (int64_t(threads) * cache_packs<Cfg::probs>() < shape.num_packs) threads *= 2;
+  const auto kernel = cross_entropy_kernel<T, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums, false, false>;
+  return resident_blocks_per_sm(kernel, threads, shape.device, 0) == 1;
+}
+
 // The path of a call: the first rule that holds, top to bottom.
 template <typename Cfg>
 CrossEntropyPath choose_cross_entropy_path(const CrossEntropyShape& shape) {
   using Path = CrossEntropyPath;
   const bool long_row = is_long_row<Cfg>(shape);
-  // sm_90, a long row's gradient (class indices without label smoothing, 2- or 4-byte
-  // logits): through the copy engine, read once, where a row's segments fit.
-  if (long_row && shape.want_grad && why_path_cannot_run<Cfg>(Path::kPipelinedRows, shape) == nullptr) {
+  // sm_90, a gradient (class indices without label smoothing, 2- or 4-byte logits) of a
+  // long row, or of a 2-byte row whose register block would be alone on its multiprocessor
+  // (pipelines_register_rows): through the copy engine, read once, where a row's segments fit.
+  if (shape.want_grad && why_path_cannot_run<Cfg>(Path::kPipelinedRows, shape) == nullptr &&
+      (long_row || pipelines_register_rows<Cfg>(shape))) {
     return Path::kPipelinedRows;
   }
   // A long row with outputs (gradient, lse, per-row loss): streamed by a block, its front
