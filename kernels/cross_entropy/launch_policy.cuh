@@ -99,6 +99,14 @@ constexpr int stream_threads() {
   return sizeof(T) == 4 ? kMaxThreads : 256;
 }
 
+// The register path's threads for a row: the fewest (a power of two from a warp) whose
+// register caches of `cached_packs` packs hold its `num_packs`.
+inline int register_row_threads(int64_t num_packs, int cached_packs) {
+  int threads = 32;
+  while (int64_t(threads) * cached_packs < num_packs) threads *= 2;
+  return threads;
+}
+
 // Threads per row: enough that the row fits the register cache, at most kMaxThreads. A
 // row too long for it is streamed: without a gradient, by stream_block_threads. With a
 // gradient, the row is kept in shared memory for the gradient pass: whole rows by two
@@ -115,8 +123,7 @@ RowLaunch row_launch(Kernel kernel, bool streamed, bool warp_rows, int64_t rows,
   size_t smem = 0;
   int64_t stash_packs = 0;
   if (!streamed) {
-    threads = 32;
-    while (int64_t(threads) * cached_packs < num_packs) threads *= 2;
+    threads = register_row_threads(num_packs, cached_packs);
   } else if (want_grad) {
     const size_t budget = max_dynamic_smem(kernel, device);
     const size_t row_bytes = num_packs * pack_bytes;
@@ -262,9 +269,8 @@ template <typename Cfg>
 bool pipelines_register_rows(const CrossEntropyShape& shape) {
   using T = typename Cfg::scalar;
   if (sizeof(T) != 2) return false;
-  int threads = 32;
-  while (int64_t(threads) * cache_packs<Cfg::probs>() < shape.num_packs) threads *= 2;
   const auto kernel = cross_entropy_kernel<T, Cfg::vec, Cfg::edges, Cfg::probs, Cfg::class_sums, false, false>;
+  const int threads = register_row_threads(shape.num_packs, cache_packs<Cfg::probs>());
   return resident_blocks_per_sm(kernel, threads, shape.device, 0) == 1;
 }
 
@@ -276,8 +282,8 @@ CrossEntropyPath choose_cross_entropy_path(const CrossEntropyShape& shape) {
   // sm_90, a gradient (class indices without label smoothing, 2- or 4-byte logits) of a
   // long row, or of a 2-byte row whose register block would be alone on its multiprocessor
   // (pipelines_register_rows): through the copy engine, read once, where a row's segments fit.
-  if (shape.want_grad && why_path_cannot_run<Cfg>(Path::kPipelinedRows, shape) == nullptr &&
-      (long_row || pipelines_register_rows<Cfg>(shape))) {
+  if (shape.want_grad && (long_row || pipelines_register_rows<Cfg>(shape)) &&
+      why_path_cannot_run<Cfg>(Path::kPipelinedRows, shape) == nullptr) {
     return Path::kPipelinedRows;
   }
   // A long row with outputs (gradient, lse, per-row loss): streamed by a block, its front
