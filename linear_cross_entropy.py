@@ -12,9 +12,9 @@ picks how, from the gradients wanted and d weight's dtype:
   chunk: the forward writes the loss, d input = g W and, where wanted, d weight += g^T x summed in
   the accumulation type over the chunks (a float32 master weight's gradient is that sum itself):
   1 product for eval, 2 for a frozen head, 3 for a float32 d weight. Backward only scales them by
-  grad_output (on CUDA nothing to do for 1). A frozen head's chunks on cc 9.0 take our products instead
-  (gradient_form): the first writes the logits' gradient form with the statistics, the second reads it
-  into d input: no pass over the chunk.
+  grad_output (on CUDA nothing to do for 1). Chunks that make d input alone (a frozen head, and the
+  forward below) take our products on cc 9.0 (gradient_form): the first writes the logits' gradient
+  form with the statistics, the second reads it into d input: no pass over the chunk.
 - "rows_then_classes": a 2-byte d weight: the forward as above for the loss and d input; backward
   recomputes the logits a chunk of classes at a time (CHUNK_BYTES) for d W_c = g^T x, written once,
   whole: 4 products, one chunk of memory, no float32 sum.
@@ -161,17 +161,17 @@ def fused_product(x, weight, bias) -> bool:
         x.shape[1] % 8 == 0
 
 
-def gradient_form(x, weight, bias, wants, label_smoothing: float, stat_rows: int = row_passes.STAT_ROWS,
-                  frozen_head: bool = False) -> bool:
-    """The one choice of how a frozen head's chunk of rows makes d input: by our sm_90a products
-    (linear_ce_gemm's row_stats_training writes the logits' gradient form, E, with the statistics; grad_input
-    multiplies it by the weight, scaling each row and 64 classes as it reads them: no pass over the chunk), or by
-    cuBLAS and the row passes. The form takes the fused product (fused_product), bfloat16 (float16 gradients wait
-    for their loss scale), and no label smoothing or entropy (their terms are not a row's multiple of E; the
-    entropy's sum carried in the form measured no faster, notes v63). A frozen head only (no d weight, none
-    recomputed later): H200, power-capped, Gemma 2's frozen step 7% faster and Llama 3's the same, with less
-    memory; a 2-byte d weight's forward measured 2% slower (notes v61, v62)."""
-    return (frozen_head and tuple(wants) == (True, False, False) and x.dtype == torch.bfloat16
+def gradient_form(x, weight, bias, wants, label_smoothing: float, stat_rows: int = row_passes.STAT_ROWS) -> bool:
+    """The one choice of how a chunk of rows that makes d input alone (a frozen head; a 2-byte d weight's forward,
+    whose d weight the backward makes from the logits again) makes it: by our sm_90a products (linear_ce_gemm's
+    row_stats_training writes the logits' gradient form, E, with the statistics; grad_input multiplies it by the
+    weight, scaling each row and 64 classes as it reads them: no pass over the chunk), or by cuBLAS and the row
+    passes. The form takes the fused product (fused_product), bfloat16 (float16 gradients wait for their loss
+    scale), and no label smoothing or entropy (their terms are not a row's multiple of E; the entropy's sum carried
+    in the form measured no faster, notes v63). H200, power-capped: Gemma 2's frozen step 7% faster, Llama 3's the
+    same; a 2-byte d weight's step the same at Llama 3 (8k, 16k), 9% faster at 8192 x 1024 x 50304; less memory
+    (notes v61, v62, v65)."""
+    return (tuple(wants) == (True, False, False) and x.dtype == torch.bfloat16
             and not label_smoothing and stat_rows == row_passes.STAT_ROWS and fused_product(x, weight, bias))
 
 
@@ -205,10 +205,11 @@ def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, soft
 def build_together(rows, weight, bias, wants, schedule: str, label_smoothing: float = 0.0,
                    stat_rows: int = row_passes.STAT_ROWS) -> None:
     """A first call that needs two builds (the classes schedule's fused statistics, then its row passes' gradient;
-    a frozen head's gradient form, then the row passes' scale of d input by grad_output) has them built side by
-    side, not one after the other."""
+    the gradient form, then the row passes' scale of d input by grad_output or the backward's gradient) has them
+    built side by side, not one after the other."""
+    in_forward = wants if schedule == "rows" else (wants[0], False, False)
     if ((schedule == "classes" and any(wants) and fused_product(rows, weight, bias)) or
-            (schedule == "rows" and gradient_form(rows, weight, bias, wants, label_smoothing, stat_rows, True))):
+            (schedule != "classes" and gradient_form(rows, weight, bias, in_forward, label_smoothing, stat_rows))):
         helpers.loader.load_together_for_device(("linear_ce_gemm", "row_passes"), rows.device, rows.dtype)
 
 
@@ -268,10 +269,10 @@ def loss_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothi
 
 
 def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, z_loss: float, softcap: float,
-                    temperature: float, wants, stat_rows: int = row_passes.STAT_ROWS, frozen_head: bool = False):
+                    temperature: float, wants, stat_rows: int = row_passes.STAT_ROWS):
     """The "rows" schedule's pass, a chunk of rows with every class at a time: their logits and statistics, then
     their gradient (in place, each row times row_scale's), times weight into d input, and summed into d weight and
-    d bias (wants says which); a frozen head's chunks by the gradient form where gradient_form says so. Returns
+    d bias (wants says which); by the gradient form where gradient_form says so (d input alone). Returns
     (stats, (d input, d weight, d bias)), None where not wanted; d weight and d bias in the accumulation type."""
     rows, vocab = x.shape[0], weight.shape[0]
     acc = helpers.accumulation_dtype(x.dtype)
@@ -280,7 +281,7 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
     # Written by the first chunk's product (beta 0): no pass to zero it. No rows: zeros.
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
     grad_b = torch.zeros(vocab, dtype=acc, device=x.device) if wants[2] else None
-    form = gradient_form(x, weight, bias, wants, label_smoothing, stat_rows, frozen_head)
+    form = gradient_form(x, weight, bias, wants, label_smoothing, stat_rows)
     height = gradient_form_rows(vocab, x.shape[1]) if form else row_chunk_rows(vocab, x.element_size(), wants[1])
     for first in range(0, rows, height):
         end = min(first + height, rows)
@@ -307,7 +308,7 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
 
 
 def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
-             softcap: float, temperature: float, reduction: str, wants, frozen_head: bool = False):
+             softcap: float, temperature: float, reduction: str, wants):
     """The "rows" forward (rows_in_forward) for a grad_output of 1, and the loss. Returns (loss reduced,
     softmax_stats, count, (d input, d weight, d bias))."""
     vocab, acc = weight.shape[0], helpers.accumulation_dtype(x.dtype)
@@ -315,7 +316,7 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     row_scale = row_passes.row_scales(torch.ones((), dtype=acc, device=x.device), target, count, ignore_index,
                                       vocab, reduction, acc)
     stats, grads = rows_in_forward(x, weight, bias, target, row_scale, label_smoothing, z_loss, softcap, temperature,
-                                   wants, frozen_head=frozen_head)
+                                   wants)
     loss, softmax_stats, _ = row_passes.finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, grads
 
@@ -438,9 +439,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     x, weight, bias, target, divisor, *arguments, list(in_forward))
                 grads = [grad if want else None for grad, want in zip(grads, in_forward)]
             else:
-                frozen_head = schedule == "rows" and tuple(wants) == (True, False, False)
-                loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward,
-                                                             frozen_head)
+                loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward)
             saved = (x, weight, bias, target, softmax_stats, count) if schedule == "rows_then_classes" else ()
             ctx.save_for_backward(*grads, *saved)
             ctx.scaled = False
@@ -784,7 +783,7 @@ def log_prob_rows(x, weight, bias, target, ignore_index: int, softcap: float, te
     row_scale = -row_passes.per_row(torch.ones((), dtype=acc, device=x.device), target, ignore_index,
                                     weight.shape[0]).contiguous()
     stats, (grad_x, _, _) = rows_in_forward(x, weight, bias, target, row_scale, 0.0, 0.0, softcap, temperature,
-                                            (True, False, False), stat_rows, frozen_head=True)
+                                            (True, False, False), stat_rows)
     return stats, grad_x
 
 

@@ -454,36 +454,46 @@ def test_grad_input_refuses_bad_arguments(builds):
         ops.row_stats_training(x.half(), w.half(), None, target, 0.0, 1.0, e, piece_max, 0)
 
 
-@pytest.mark.parametrize("softcap,z_loss,reduction", [(None, 0.0, "mean"), (30.0, 1e-4, "sum"), (None, 0.0, "none")])
-def test_a_frozen_heads_d_input_through_the_training_form(builds, softcap, z_loss, reduction, monkeypatch):
-    """linear_cross_entropy with a frozen head takes the training form where gradient_form says so, and gives the
+@pytest.mark.parametrize("softcap,z_loss,reduction,trains", [(None, 0.0, "mean", False), (30.0, 1e-4, "sum", False),
+                                                             (None, 0.0, "none", False), (None, 0.0, "mean", True),
+                                                             (None, 1e-4, "none", True)])
+def test_d_input_through_the_training_form(builds, softcap, z_loss, reduction, trains, monkeypatch):
+    """linear_cross_entropy's forward that makes d input alone (a frozen head; a trained 2-byte head, whose d weight
+    the backward makes from the logits again) takes the training form where gradient_form says so, and gives the
     cuBLAS chunks' loss and, row by row, their d input to bfloat16's rounding of the gradient (operands on a grid of
-    1/4: both products' logits are exact)."""
+    1/4: both products' logits are exact); a trained head's d weight, from each path's statistics, the same."""
     import linear_cross_entropy
     import losses
     m, n, k = 700, 50257, 24
     x, w, _ = exact_operands(m, n, k, torch.bfloat16, 17)  # exact logits: the paths' losses differ by sums' order
     x.requires_grad_()
+    w.requires_grad_(trains)
     target = targets(m, n)
     weights = torch.rand(m, device="cuda") + 0.5
-    assert linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, frozen_head=True)
-    # Not a 2-byte d weight's forward (its backward recomputes the logits), nor with smoothing or the entropy.
-    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0)
-    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.1, frozen_head=True)
-    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6, frozen_head=True)
-    assert not linear_cross_entropy.gradient_form(x.half(), w.half(), None, (True, False, False), 0.0,
-                                                  frozen_head=True)
+    assert linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0)
+    # Not where the forward sums d weight (a float32 one), nor with smoothing or the entropy, nor for float16.
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, True, False), 0.0)
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.1)
+    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6)
+    assert not linear_cross_entropy.gradient_form(x.half(), w.half(), None, (True, False, False), 0.0)
+    form_chunks = []
+    chunk = linear_cross_entropy._gradient_form_chunk
+    monkeypatch.setattr(linear_cross_entropy, "_gradient_form_chunk",
+                        lambda *arguments: form_chunks.append(1) or chunk(*arguments))
 
     def run():
-        x.grad = None
+        x.grad = w.grad = None
         loss = losses.linear_cross_entropy(x, w, target, reduction=reduction, z_loss=z_loss, softcap=softcap)
         (loss * weights).sum().backward() if reduction == "none" else loss.backward()
-        return loss.detach().float(), x.grad.float()
+        return loss.detach().float(), x.grad.float(), None if w.grad is None else w.grad.float()
 
     fused = run()
+    assert form_chunks
     monkeypatch.setattr(linear_cross_entropy, "gradient_form", lambda *arguments: False)
     chunks = run()
     torch.testing.assert_close(fused[0], chunks[0], rtol=1e-5, atol=1e-5)
     difference = (fused[1] - chunks[1]).norm(dim=1)
     assert (difference <= 2 ** -6 * chunks[1].norm(dim=1)).all()
     assert (fused[1][target == -100] == 0).all()
+    if trains:
+        assert (fused[2] - chunks[2]).norm() <= 2 ** -8 * chunks[2].norm()
