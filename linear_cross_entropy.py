@@ -269,10 +269,11 @@ def loss_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothi
 
 
 def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, z_loss: float, softcap: float,
-                    temperature: float, wants, stat_rows: int = row_passes.STAT_ROWS):
+                    temperature: float, wants, stat_rows: int = row_passes.STAT_ROWS, chunk_rows: int = 0):
     """The "rows" schedule's pass, a chunk of rows with every class at a time: their logits and statistics, then
     their gradient (in place, each row times row_scale's), times weight into d input, and summed into d weight and
-    d bias (wants says which); by the gradient form where gradient_form says so (d input alone). Returns
+    d bias (wants says which); by the gradient form where gradient_form says so (d input alone). chunk_rows: rows a
+    chunk (torch's batch_chunk_size), 0 for the memory rule (gradient_form_rows, row_chunk_rows). Returns
     (stats, (d input, d weight, d bias)), None where not wanted; d weight and d bias in the accumulation type."""
     rows, vocab = x.shape[0], weight.shape[0]
     acc = helpers.accumulation_dtype(x.dtype)
@@ -282,7 +283,8 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
     grad_b = torch.zeros(vocab, dtype=acc, device=x.device) if wants[2] else None
     form = gradient_form(x, weight, bias, wants, label_smoothing, stat_rows)
-    height = gradient_form_rows(vocab, x.shape[1]) if form else row_chunk_rows(vocab, x.element_size(), wants[1])
+    height = chunk_rows or (gradient_form_rows(vocab, x.shape[1]) if form else
+                            row_chunk_rows(vocab, x.element_size(), wants[1]))
     for first in range(0, rows, height):
         end = min(first + height, rows)
         if form:
@@ -308,7 +310,7 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
 
 
 def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothing: float, z_loss: float,
-             softcap: float, temperature: float, reduction: str, wants):
+             softcap: float, temperature: float, reduction: str, wants, chunk_rows: int = 0):
     """The "rows" forward (rows_in_forward) for a grad_output of 1, and the loss. Returns (loss reduced,
     softmax_stats, count, (d input, d weight, d bias))."""
     vocab, acc = weight.shape[0], helpers.accumulation_dtype(x.dtype)
@@ -316,7 +318,7 @@ def row_pass(x, weight, bias, target, divisor, ignore_index: int, label_smoothin
     row_scale = row_passes.row_scales(torch.ones((), dtype=acc, device=x.device), target, count, ignore_index,
                                       vocab, reduction, acc)
     stats, grads = rows_in_forward(x, weight, bias, target, row_scale, label_smoothing, z_loss, softcap, temperature,
-                                   wants)
+                                   wants, chunk_rows=chunk_rows)
     loss, softmax_stats, _ = row_passes.finish_loss(stats, target, ignore_index, vocab, label_smoothing, z_loss)
     return row_passes.reduce_loss(loss, count, reduction), softmax_stats, count, grads
 
@@ -348,8 +350,8 @@ _LOSS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? 
                 "float label_smoothing, float z_loss, float softcap, float temperature, str reduction) "
                 "-> (Tensor, Tensor, Tensor)")
 _ROWS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? divisor, int ignore_index, "
-                "float label_smoothing, float z_loss, float softcap, float temperature, str reduction, bool[] wants) "
-                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                "float label_smoothing, float z_loss, float softcap, float temperature, str reduction, bool[] wants, "
+                "int chunk_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _GRADIENTS_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor softmax_stats, Tensor count, "
                      "Tensor grad_output, int ignore_index, float label_smoothing, float z_loss, float softcap, "
                      "float temperature, str reduction, bool[] wants) -> (Tensor, Tensor, Tensor)")
@@ -379,8 +381,8 @@ def _rows_op(x, weight, bias, target, divisor, *options):
 
 
 def _rows_fake(x, weight, bias, target, divisor, *options):
-    wants = options[-1]
-    loss, softmax_stats, count = _loss_fake(x, weight, bias, target, divisor, *options[:-1])
+    wants = options[-2]
+    loss, softmax_stats, count = _loss_fake(x, weight, bias, target, divisor, *options[:-2])
     acc = softmax_stats.dtype
     grads = (torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc),
              weight.new_empty(weight.shape[0], dtype=acc))
@@ -422,13 +424,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     rows not ignored). Returns (loss, lse) in the accumulation type: loss 0-dim for 'mean' and
     'sum', (N,) for 'none'; lse (N,) without gradient. options: (ignore_index, label_smoothing,
     z_loss, softcap or 0, temperature, reduction, shards, schedule (choose_schedule's), wants (input, weight, bias),
-    allow_retain_graph (backward's scale of forward-written gradients into new tensors)).
+    chunk_rows (rows_in_forward's), allow_retain_graph (backward's scale of forward-written gradients into new
+    tensors)).
     The caller casts the loss: a cast here that returns its input (float32) made torch.compile
     (torch 2.11) hand backward a grad_output of 0."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, divisor, options):
-        *arguments, shards, schedule, wants, _ = options
+        *arguments, shards, schedule, wants, chunk_rows, _ = options
         ctx.options, ctx.dtypes = options, (weight.dtype, None if bias is None else bias.dtype)
         weight = weight.to(x.dtype)  # autocast's copy of a float32 master, as eager's F.linear makes
         bias = None if bias is None else bias.to(x.dtype)
@@ -436,10 +439,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             in_forward = wants if schedule == "rows" else (wants[0], False, False)
             if helpers.is_compiling():
                 loss, softmax_stats, count, *grads = torch.ops.fused_losses_linear_ce.rows(
-                    x, weight, bias, target, divisor, *arguments, list(in_forward))
+                    x, weight, bias, target, divisor, *arguments, list(in_forward), chunk_rows)
                 grads = [grad if want else None for grad, want in zip(grads, in_forward)]
             else:
-                loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward)
+                loss, softmax_stats, count, grads = row_pass(x, weight, bias, target, divisor, *arguments, in_forward,
+                                                             chunk_rows)
             saved = (x, weight, bias, target, softmax_stats, count) if schedule == "rows_then_classes" else ()
             ctx.save_for_backward(*grads, *saved)
             ctx.scaled = False
@@ -458,7 +462,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         helpers.no_second_derivative("linear_cross_entropy")
         if grad_output is None:
             return None, None, None, None, None, None
-        *arguments, shards, schedule, wants, _ = ctx.options
+        *arguments, shards, schedule, wants, _, _ = ctx.options
         if schedule == "classes":
             x, weight, bias, target, softmax_stats, count, classes = row_passes.saved_tensors(ctx)
             if shards is None and helpers.is_compiling():
@@ -529,16 +533,19 @@ _SIGNATURE = ("linear_cross_entropy(input, linear_weight, target, *, linear_bias
 def _from_torch_options(options) -> dict:
     """What of torch's LinearCrossEntropyOptions maps onto this implementation: float32_weight_sum
     (choose_schedule's keyword) from acc_policy "accurate" (d linear_weight summed in float32;
-    "compact" and "auto": False), and allow_retain_graph (a second backward through a call whose
-    forward wrote its gradients: they are scaled into new tensors). Nothing else maps:
-    batch_chunk_size and chunking_method (chunks here follow a memory rule: chunk_width,
-    row_chunk_rows), acc_dtype (sums here are float32, float64 for float64). Raises unless options
-    is None or, where torch has the class, one of its instances."""
+    "compact" and "auto": False), chunk_rows from batch_chunk_size (rows a chunk where chunks are of
+    rows; 0, unset: the memory rule, row_chunk_rows), and allow_retain_graph (a second backward through a
+    call whose forward wrote its gradients: they are scaled into new tensors). Nothing else maps:
+    chunking_method (torch's rule for its own chunks), acc_dtype (sums here are float32, float64 for
+    float64). Raises unless options is None or, where torch has the class, one of its instances."""
     if options is None:
         return {}
     if _TORCH_OPTIONS is not None and not isinstance(options, _TORCH_OPTIONS):
         raise ValueError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got {type(options).__name__}")
-    return {"float32_weight_sum": getattr(options, "acc_policy", "auto") == "accurate",
+    rows = getattr(options, "batch_chunk_size", None)
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"options.batch_chunk_size must be a positive int or None, got {rows!r}")
+    return {"float32_weight_sum": getattr(options, "acc_policy", "auto") == "accurate", "chunk_rows": rows or 0,
             "allow_retain_graph": bool(getattr(options, "allow_retain_graph", False))}
 
 
@@ -695,9 +702,12 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     statistics are not wired into the chunk loops), a K-dimensional linear_weight (C, d1, ..., dK,
     H) with bias (C, d1, ..., dK) and input (N, H), and calls under a torch.func transform.
 
-    options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here only
-    acc_policy counts. Its chunk sizes (batch_chunk_size, chunking_method) are ignored: chunks
-    here follow a memory rule (CHUNK_BYTES, ROW_CHUNK_BYTES). acc_policy "accurate" (d
+    options: torch's LinearCrossEntropyOptions (or None) picks torch's chunked path; here
+    acc_policy, batch_chunk_size and allow_retain_graph count. Chunks follow a memory rule
+    (CHUNK_BYTES, ROW_CHUNK_BYTES: 256 MiB of logits); batch_chunk_size sets the rows a chunk where
+    chunks are of rows (a frozen head, a float32 d weight, a 2-byte one's forward): larger chunks
+    take more memory and run faster (notes: the linear losses' chunks); chunking_method is ignored.
+    acc_policy "accurate" (d
     linear_weight summed in float32) is choose_schedule's float32_weight_sum: a 2-byte
     linear_weight's gradient summed over chunks of rows in a float32 buffer (C x H x 4 bytes), in
     the forward. acc_dtype is ignored (sums are float32, float64 for float64). Without
@@ -729,6 +739,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     except ValueError as error:  # with process_group: raised on every rank
         vocab_parallel.raise_on_every_rank(process_group, input, error)
     allow_retain_graph = schedule_options.pop("allow_retain_graph", False)
+    chunk_rows = schedule_options.pop("chunk_rows", 0)
     ignore_index = -100 if ignore_index is None else int(ignore_index)
     if target.dtype == torch.uint8:  # torch takes uint8 class indices; the row passes int64 or int32
         target = target.long()
@@ -762,7 +773,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         build_together(rows, weight, bias, wants, schedule, float(label_smoothing))
         loss, lse = LinearCrossEntropyFunction.apply(rows, weight, bias, rows_target, divisor, (
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature), reduction,
-            shards, schedule, wants, allow_retain_graph))
+            shards, schedule, wants, chunk_rows, allow_retain_graph))
         if shards is not None and not any(wants):  # else backward raises, after its all-reduce
             shards.raise_if_invalid()
         loss = loss.to(torch.float32 if float_loss else input.dtype)

@@ -873,9 +873,10 @@ def test_an_argument_error_with_a_process_group_keeps_its_type():
 
 @pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is None, reason="torch < 2.14: no LinearCrossEntropyOptions")
 def test_torchs_options_change_no_result():
-    """Chunk sizes and accumulation options are torch's chunked path's; ours gives the same bits with any
-    (float32: d linear_weight is summed in float32 anyway). acc_policy="accurate" maps to a float32 sum
-    of d linear_weight; options of another type raise."""
+    """chunking_method and the accumulation options are torch's chunked path's; ours gives the same bits with
+    any (float32: d linear_weight is summed in float32 anyway). acc_policy="accurate" maps to a float32 sum
+    of d linear_weight, batch_chunk_size to the rows a chunk (test_batch_chunk_size_sets_the_rows_a_chunk);
+    options of another type raise."""
     options_class = torch.nn.LinearCrossEntropyOptions
     x, w, t, b = make_inputs((6,), 8, 20, torch.float32, "cpu")
     x.requires_grad_(), w.requires_grad_()
@@ -884,7 +885,7 @@ def test_torchs_options_change_no_result():
         loss = losses.linear_cross_entropy(x, w, t, linear_bias=b, options=options)
         return [loss, *torch.autograd.grad(loss, [x, w])]
     expected = step(None)
-    for options in (options_class(), options_class(batch_chunk_size=2, allow_retain_graph=True),
+    for options in (options_class(), options_class(allow_retain_graph=True),
                     options_class(acc_policy="accurate", acc_dtype=torch.float64),
                     options_class(chunking_method="aspect_ratio:4")):
         for got, want in zip(step(options), expected):
@@ -892,7 +893,7 @@ def test_torchs_options_change_no_result():
     assert linear_cross_entropy._from_torch_options(None) == {}
     for policy, float32 in (("accurate", True), ("compact", False), ("auto", False)):
         mapped = linear_cross_entropy._from_torch_options(options_class(acc_policy=policy))
-        assert mapped == {"float32_weight_sum": float32, "allow_retain_graph": False}
+        assert mapped == {"float32_weight_sum": float32, "chunk_rows": 0, "allow_retain_graph": False}
     with pytest.raises(ValueError, match="options must be None or a torch.nn.LinearCrossEntropyOptions"):
         losses.linear_cross_entropy(x, w, t, options={"acc_policy": "accurate"})
 
@@ -916,9 +917,46 @@ def test_allow_retain_graph_allows_a_second_backward():
 @pytest.mark.skipif(linear_cross_entropy._TORCH_OPTIONS is not None, reason="torch has LinearCrossEntropyOptions")
 def test_without_torchs_options_class_options_are_read_where_they_map():
     options = types.SimpleNamespace(acc_policy="accurate", batch_chunk_size=2)
-    assert linear_cross_entropy._from_torch_options(options) == {"float32_weight_sum": True, "allow_retain_graph": False}
+    assert linear_cross_entropy._from_torch_options(options) == {"float32_weight_sum": True, "chunk_rows": 2,
+                                                                 "allow_retain_graph": False}
     x, w, t, b = make_inputs((6,), 8, 20, torch.float64, "cpu")
     assert torch.equal(losses.linear_cross_entropy(x, w, t, options=options), losses.linear_cross_entropy(x, w, t))
+    for rows in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="options.batch_chunk_size must be a positive int or None"):
+            losses.linear_cross_entropy(x, w, t, options=types.SimpleNamespace(batch_chunk_size=rows))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trains", [False, True])
+def test_batch_chunk_size_sets_the_rows_a_chunk(weight_dtype, trains, monkeypatch):
+    """torch's batch_chunk_size: the rows a chunk of the row schedules (a frozen head; a float32 d weight summed
+    over the chunks; a 2-byte one's forward), the same results as one chunk to the sums' order."""
+    options = (torch.nn.LinearCrossEntropyOptions(batch_chunk_size=3) if linear_cross_entropy._TORCH_OPTIONS
+               else types.SimpleNamespace(batch_chunk_size=3))
+    x, w, t, b = make_inputs((10,), 16, 50, weight_dtype, "cpu")
+    x.requires_grad_(), w.requires_grad_(trains)
+    heights = []
+    rows_in_forward = linear_cross_entropy.rows_in_forward
+    monkeypatch.setattr(linear_cross_entropy, "rows_in_forward",
+                        lambda *args, **kwargs: heights.append(kwargs["chunk_rows"]) or rows_in_forward(*args, **kwargs))
+    chunks = []
+    fold_stats = linear_cross_entropy.row_passes.fold_stats
+    monkeypatch.setattr(linear_cross_entropy.row_passes, "fold_stats",
+                        lambda z, *args, **kwargs: chunks.append(z.shape[0]) or fold_stats(z, *args, **kwargs))
+
+    def step(options):
+        x.grad = w.grad = None
+        loss = losses.linear_cross_entropy(x, w, t, linear_bias=b, options=options)
+        loss.backward()
+        return [loss, x.grad] + ([w.grad] if trains else [])
+    whole = step(None)
+    assert heights == [0]
+    del heights[:], chunks[:]
+    chunked = step(options)
+    assert heights == [3] and chunks[:4] == [3, 3, 3, 1]  # the forward's chunks of rows (then classes, bf16)
+    tolerance = 1e-2 if weight_dtype == torch.bfloat16 else 1e-5
+    for got, want in zip(chunked, whole):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_acc_policy_accurate_sums_a_bfloat16_weights_gradient_in_float32(small_chunks, monkeypatch):
