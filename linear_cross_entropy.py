@@ -202,14 +202,20 @@ def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, soft
     return stats
 
 
+def forward_wants(wants, schedule: str) -> tuple:
+    """The gradients (input, weight, bias) a row schedule's forward writes: all of them for "rows", d input alone
+    for "rows_then_classes" (its backward makes d weight and d bias from the logits again)."""
+    return tuple(wants) if schedule == "rows" else (wants[0], False, False)
+
+
 def build_together(rows, weight, bias, wants, schedule: str, label_smoothing: float = 0.0,
                    stat_rows: int = row_passes.STAT_ROWS) -> None:
     """A first call that needs two builds (the classes schedule's fused statistics, then its row passes' gradient;
     the gradient form, then the row passes' scale of d input by grad_output or the backward's gradient) has them
     built side by side, not one after the other."""
-    in_forward = wants if schedule == "rows" else (wants[0], False, False)
     if ((schedule == "classes" and any(wants) and fused_product(rows, weight, bias)) or
-            (schedule != "classes" and gradient_form(rows, weight, bias, in_forward, label_smoothing, stat_rows))):
+            (schedule != "classes" and gradient_form(rows, weight, bias, forward_wants(wants, schedule),
+                                                     label_smoothing, stat_rows))):
         helpers.loader.load_together_for_device(("linear_ce_gemm", "row_passes"), rows.device, rows.dtype)
 
 
@@ -436,7 +442,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         weight = weight.to(x.dtype)  # autocast's copy of a float32 master, as eager's F.linear makes
         bias = None if bias is None else bias.to(x.dtype)
         if schedule != "classes":
-            in_forward = wants if schedule == "rows" else (wants[0], False, False)
+            in_forward = forward_wants(wants, schedule)
             if helpers.is_compiling():
                 loss, softmax_stats, count, *grads = torch.ops.fused_losses_linear_ce.rows(
                     x, weight, bias, target, divisor, *arguments, list(in_forward), chunk_rows)
