@@ -51,11 +51,12 @@ void cross_entropy_launch(const CrossEntropyCall& call, const LaunchContext& con
   if (call.rows * call.classes > 0) launch_cross_entropy(call, context);  // Python sends empty inputs to torch
 }
 
-const char* cross_entropy_call_path(const CrossEntropyCall& call, int device) {
+const char* cross_entropy_call_path(const CrossEntropyCall& call, const LaunchContext& context) {
   const char* name = nullptr;
   dispatch_cross_entropy(call, [&](auto config) {
     using Cfg = decltype(config);
-    name = cross_entropy_path_name(cross_entropy_path_of<Cfg>(cross_entropy_shape(call, Cfg::vec, device)));
+    name = cross_entropy_path_name(
+        cross_entropy_path_of<Cfg>(cross_entropy_shape(call, Cfg::vec, context.device, context.stream)));
   });
   return name;
 }

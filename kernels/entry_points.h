@@ -461,7 +461,7 @@ inline std::string cross_entropy_path(FUSED_LOSSES_CROSS_ENTROPY_FORWARD_PARAMS)
   with_cross_entropy_forward(logits, target, weight, ignore_index, reduction, float_loss, label_smoothing, z_loss,
                              temperature, want_grad_logits, want_grad_target, want_lse, inplace, guess_grad_output,
                              [&](const CrossEntropyCall& call, const LaunchContext& context) {
-                               name = cross_entropy_call_path(call, context.device);
+                               name = cross_entropy_call_path(call, context);
                              });
   return name;
 }

@@ -129,6 +129,14 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
+// The kernel launched next in the stream, where a dependent launch, may start now rather than as
+// this kernel's blocks end (its own wait_for_previous_kernel still waits for this kernel to complete).
+__device__ __forceinline__ void start_next_kernel() {
+#if FUSED_LOSSES_SM90
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Whether `stream` is being captured into a CUDA graph.
 inline bool is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

@@ -99,8 +99,8 @@ struct CrossEntropyCall {
 };
 
 void cross_entropy_launch(const CrossEntropyCall& call, const LaunchContext& context);
-// The path (by name) the call takes on `device`; launches nothing. For the tests.
-const char* cross_entropy_call_path(const CrossEntropyCall& call, int device);
+// The path (by name) the call takes on its device and stream; launches nothing. For the tests.
+const char* cross_entropy_call_path(const CrossEntropyCall& call, const LaunchContext& context);
 // Test-only: every call takes the path named `path` (cross_entropy_call_path's names), or
 // throws std::invalid_argument where that path cannot run it; "" gives the choice back.
 // Throws std::invalid_argument for a name that is no path.

@@ -288,6 +288,24 @@ def test_cases_take_the_paths_the_tests_expect(dtype):
         row = randn(3, packs * 128 // torch.finfo(dtype).bits, dtype=dtype)
         expected = "pipelined_rows" if sm90 and two_bytes and packs > 2048 else "register_rows"
         assert path_of(row, class_targets(row), grad=True) == expected, packs
+    # Many rows split among clusters of 4 blocks: the H200 holds 30 on its 132 multiprocessors, and the
+    # stashed kernel takes a share of the rows on the 12 left; an H100 (SXM) holds 33. Under CUDA graph
+    # capture, where launches are not dependent, the pipelined kernel alone.
+    many = MANY_STREAMED_ROWS[MANY_LLM_ROWS](dtype)
+    name = torch.cuda.get_device_name()
+    targets = class_targets(many)
+    chosen = path_of(many, targets, grad=True)
+    if not sm90:
+        assert chosen == "stashed_rows"
+    elif "H200" in name and dtype != torch.float32:
+        assert chosen == "pipelined_and_stashed_rows"
+    elif "H100 80GB HBM3" in name and dtype != torch.float32:
+        assert chosen == "pipelined_rows"
+    if sm90:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            assert path_of(many, targets, grad=True) == "pipelined_rows"
+            many.mul(2)
 
 
 # Each path forced on cases it can run, where most of them take another path: every kernel
@@ -295,7 +313,12 @@ def test_cases_take_the_paths_the_tests_expect(dtype):
 # a gradient, warp rows). The sum-only paths compute a scalar loss alone; sm_90's take
 # class indices without label smoothing in 2- and 4-byte logits.
 SUM_ONLY_PATHS = {"warp_rows", "streamed_sum_rows"}
+# sm_90's: gradients alone. The second shares the rows with the stashed kernel, forced here even where
+# the GPU's clusters leave no multiprocessor for it (it then runs after the pipelined kernel).
+PIPELINED_PATHS = {"pipelined_rows", "pipelined_and_stashed_rows"}
 MANY_ODD_ROWS = "many rows of odd C = 40001 (whole in shared memory but for fp64)"
+# With a gradient on sm_90, rows split among clusters of blocks; on the H200 a share of them beside the clusters.
+MANY_LLM_ROWS = "many rows of C = 128256"
 # Without grad a warp per row, in registers for every dtype and target (4099 classes of
 # float64 probabilities are beyond them).
 WARP_ROWS_IN_REGISTERS = "many rows of odd C = 3001 (without grad: a warp per row)"
@@ -305,19 +328,20 @@ FORCED_CASES = {
     "streamed_sum_rows": ["7x1000", ODD_ROW, WARP_ROWS, ODD_LONG_ROW, STREAMED_ROW],
     "stashed_rows": ["7x1000", ODD_ROW, LONG_ROW, ODD_LONG_ROW, STREAMED_ROW, MANY_ODD_ROWS],
     "pipelined_rows": ["7x1000", ODD_ROW, LONG_ROW, ODD_LONG_ROW, MANY_ODD_ROWS],
+    "pipelined_and_stashed_rows": ["7x1000", ODD_ROW, ODD_LONG_ROW, MANY_ODD_ROWS, MANY_LLM_ROWS],
 }
 FORCED = [(path, case) for path, cases in FORCED_CASES.items() for case in cases]
 
 
 def why_path_cannot_run(path, dtype, reduction, targets):
     """Why `path` cannot run these calls on this GPU (the kernels' rules), or None."""
-    if path == "pipelined_rows" and not (on_hopper() and dtype != torch.float64):
+    if path in PIPELINED_PATHS and not (on_hopper() and dtype != torch.float64):
         return f"{path} runs on sm_90, 2- and 4-byte logits"
     if path in SUM_ONLY_PATHS and reduction == "none":
         return f"{path} computes a scalar loss alone"
-    if path == "pipelined_rows" and reduction == "none":
+    if path in PIPELINED_PATHS and reduction == "none":
         return f"{path} writes gradients: the forward of 'none' writes none"
-    if path in ("warp_rows", "pipelined_rows") and targets != "indices":
+    if (path == "warp_rows" or path in PIPELINED_PATHS) and targets != "indices":
         return f"{path} takes class indices without label smoothing"
     return None
 
@@ -343,7 +367,7 @@ def test_every_path_forced_matches_float64(path, case, dtype, reduction, targets
         check_against_float64(lambda x, t: losses.cross_entropy(x, t, **arguments),
                               lambda x, t: F.cross_entropy(x, t, **arguments), [logits, target],
                               grad_of=() if sum_only else (0, 1) if targets == "probabilities" else (0,),
-                              loss_without_grad=path != "pipelined_rows", case=f"{path} {case} {targets}")
+                              loss_without_grad=path not in PIPELINED_PATHS, case=f"{path} {case} {targets}")
 
 
 @pytest.mark.gpu
@@ -385,6 +409,7 @@ def many_streamed_rows(num_classes):
 
 MANY_STREAMED_ROWS = {
     MANY_ODD_ROWS: many_streamed_rows(40001),
+    MANY_LLM_ROWS: rows_per_multiprocessor(8, 128256),
     "many rows of C = 270000 (front in shared memory)": many_streamed_rows(270000),
 }
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import cross_entropy
 import losses
 from helpers import CPU_FLOAT16_MATMUL, DTYPES, default_grad_output, loss_and_grads, run_on_ranks
-from test_cross_entropy import (FORCED, MANY_STREAMED_ROWS, SHAPES, SUM_ONLY_PATHS, WARP_ROWS_IN_REGISTERS,
-                                forced_path, rows_per_multiprocessor, why_path_cannot_run)
+from test_cross_entropy import (FORCED, MANY_STREAMED_ROWS, PIPELINED_PATHS, SHAPES, SUM_ONLY_PATHS,
+                                WARP_ROWS_IN_REGISTERS, forced_path, rows_per_multiprocessor, why_path_cannot_run)
 
 INF = float("inf")
 # Finite elements, against float64: within this share of the tensor's largest finite magnitude
@@ -268,7 +268,7 @@ def test_cross_entropy_every_path(path, case, dtype, smoothing, reduction):
                                 arguments.get("z_loss", 0.0), False),
                             [logits, target], () if path in SUM_ONLY_PATHS else (0,),
                             zero_at={0: lambda g: g[:, zero]} if smoothing == "plain" else None,
-                            case=f"{path} {case}", loss_without_grad=path != "pipelined_rows")
+                            case=f"{path} {case}", loss_without_grad=path not in PIPELINED_PATHS)
 
 
 @pytest.mark.gpu

@@ -193,10 +193,13 @@ enum class CrossEntropyPath {
   kStreamedSumRows,  // cross_entropy_kernel (kStreamed, kSumOnly): a scalar loss alone, a block streams each row
   kStashedRows,      // cross_entropy_kernel (kStreamed): outputs too, the row's front stashed for the gradient
   kPipelinedRows,    // cross_entropy_pipelined_kernel (sm_90): gradients, rows through the copy engine
+  // Both at once, a share of the rows each: cross_entropy_pipelined_kernel on its clusters, and
+  // cross_entropy_kernel (kStreamed) on the multiprocessors the clusters leave (rows_beside_clusters).
+  kPipelinedAndStashedRows,
 };
 
 constexpr const char* kCrossEntropyPathNames[] = {
-    "register_rows", "warp_rows", "streamed_sum_rows", "stashed_rows", "pipelined_rows"};
+    "register_rows", "warp_rows", "streamed_sum_rows", "stashed_rows", "pipelined_rows", "pipelined_and_stashed_rows"};
 constexpr int kCrossEntropyPaths = sizeof(kCrossEntropyPathNames) / sizeof(kCrossEntropyPathNames[0]);
 
 inline const char* cross_entropy_path_name(CrossEntropyPath path) {
@@ -210,6 +213,7 @@ struct CrossEntropyShape {
   bool sum_only;      // a scalar loss and nothing else: no gradient, lse or per-row loss
   bool want_grad;     // a gradient is written
   int device;
+  cudaStream_t stream;  // being captured into a CUDA graph, its launches are not dependent (launch_kernel)
 };
 
 // Rows too long for the register cache are streamed.
@@ -236,6 +240,44 @@ RowLaunch sm90_launch(const CrossEntropyShape& shape) {
   return {0, 0, 0, 0};
 }
 
+// The multiprocessors the pipelined kernel's clusters leave: a cluster's blocks share a GPC, and
+// where a GPC's multiprocessors do not divide into clusters some are left over (the H200 holds 30
+// clusters of 4 blocks on its 132; an H100 holds 33). A clustered block fills its multiprocessor
+// (two stages of a segment too long for one block's shared memory alone).
+inline int64_t multiprocessors_beside(const RowLaunch& pipelined, int device) {
+  return pipelined.cluster_blocks > 1 ? std::max<int64_t>(0, multiprocessor_count(device) - pipelined.blocks) : 0;
+}
+
+// kPipelinedAndStashedRows: the stashed kernel's launch beside the pipelined kernel's clusters, and its
+// rows, the call's last ones: a block on each multiprocessor the clusters leave, rows in proportion to
+// its blocks (on the H200 a stashed block keeps pace with a clustered one: notes, v66); rows == 0 where
+// that gives a block fewer than kRowsBesideABlock rows (fewer lost: 256 rows of 128256 classes on the
+// H200 5% slower, 1024 3.6% faster). Forced (on a GPU whose clusters leave none): a block, a row.
+constexpr int64_t kRowsBesideABlock = 4;
+
+struct RowsBeside {
+  RowLaunch launch;
+  int64_t rows;
+};
+
+template <typename Cfg>
+RowsBeside rows_beside_clusters(const CrossEntropyShape& shape, bool forced) {
+  if constexpr (sm90_kernels_take<Cfg>()) {
+    using T = typename Cfg::scalar;
+    const RowLaunch pipelined = sm90_launch<Cfg>(shape);
+    const int64_t blocks = std::max<int64_t>(multiprocessors_beside(pipelined, shape.device), forced ? 1 : 0);
+    const int64_t rows = std::max<int64_t>(shape.rows * blocks / (pipelined.blocks + blocks), forced ? 1 : 0);
+    if (blocks == 0 || rows < (forced ? 1 : kRowsBesideABlock * blocks)) return {{0, 0, 0, 0}, 0};
+    const auto kernel = cross_entropy_kernel<T, Cfg::vec, Cfg::edges, false, false, true, false>;
+    RowLaunch launch = row_launch(kernel, true, false, rows, shape.num_packs, cache_packs<false>(),
+                                  sizeof(Pack<T, Cfg::vec>), true, stream_threads<T>(), stash_threads<T>(false, false),
+                                  shape.device);
+    launch.blocks = std::min(launch.blocks, blocks);
+    return {launch, rows};
+  }
+  return {{0, 0, 0, 0}, 0};
+}
+
 // Why `path` cannot run a call, or nullptr where it can.
 template <typename Cfg>
 const char* why_path_cannot_run(CrossEntropyPath path, const CrossEntropyShape& shape) {
@@ -256,6 +298,10 @@ const char* why_path_cannot_run(CrossEntropyPath path, const CrossEntropyShape& 
       if (!sm90_kernels_take<Cfg>()) return "it takes class-index targets without label smoothing, 2- or 4-byte logits";
       if (!shape.want_grad) return "it writes a gradient";
       if (sm90_launch<Cfg>(shape).blocks == 0) return "a row's segments do not fit in shared memory";
+      return nullptr;
+    case CrossEntropyPath::kPipelinedAndStashedRows:
+      if (const char* why = why_path_cannot_run<Cfg>(CrossEntropyPath::kPipelinedRows, shape)) return why;
+      if (shape.rows < 2) return "it shares the rows between two kernels: 2 rows at least";
       return nullptr;
   }
   return "it is no path";
@@ -282,9 +328,12 @@ CrossEntropyPath choose_cross_entropy_path(const CrossEntropyShape& shape) {
   // sm_90, a gradient (class indices without label smoothing, 2- or 4-byte logits) of a
   // long row, or of a 2-byte row whose register block would be alone on its multiprocessor
   // (pipelines_register_rows): through the copy engine, read once, where a row's segments fit.
+  // Where its clusters leave multiprocessors, the stashed kernel takes a share of the rows there, at
+  // the same time: dependent launches (not under CUDA graph capture) let both run.
   if (shape.want_grad && (long_row || pipelines_register_rows<Cfg>(shape)) &&
       why_path_cannot_run<Cfg>(Path::kPipelinedRows, shape) == nullptr) {
-    return Path::kPipelinedRows;
+    const bool beside = rows_beside_clusters<Cfg>(shape, false).rows > 0 && !is_capturing(shape.stream);
+    return beside ? Path::kPipelinedAndStashedRows : Path::kPipelinedRows;
   }
   // A long row with outputs (gradient, lse, per-row loss): streamed by a block, its front
   // stashed in shared memory for the gradient pass (an A100's long rows with a gradient).
@@ -322,11 +371,12 @@ CrossEntropyPath cross_entropy_path_of(const CrossEntropyShape& shape) {
   return path;
 }
 
-// The facts of a call that decide its path, with packs of `vec` elements.
-inline CrossEntropyShape cross_entropy_shape(const CrossEntropyCall& call, int vec, int device) {
+// The facts of a call on `stream` that decide its path, with packs of `vec` elements.
+inline CrossEntropyShape cross_entropy_shape(const CrossEntropyCall& call, int vec, int device, cudaStream_t stream) {
   const bool scalar_loss = call.loss.data != nullptr;
   const bool want_grad = call.grad_logits != nullptr || call.grad_target != nullptr;
-  return {call.rows, call.classes / vec, scalar_loss && !want_grad && call.lse == nullptr, want_grad, device};
+  const bool sum_only = scalar_loss && !want_grad && call.lse == nullptr;
+  return {call.rows, call.classes / vec, sum_only, want_grad, device, stream};
 }
 
 // The kernel of a path and its launch shape.
@@ -354,11 +404,12 @@ std::pair<void (*)(CrossEntropyParams<typename Cfg::scalar>), RowLaunch> path_ke
       }
       break;
     case Path::kPipelinedRows:
+    case Path::kPipelinedAndStashedRows:  // and rows_beside_clusters' kernel
       if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_pipelined_kernel<T, VEC, Cfg::edges>;
       break;
   }
   check(kernel != nullptr, "cross_entropy: internal error: no kernel for the path");
-  if (path == Path::kPipelinedRows) return {kernel, sm90_launch<Cfg>(shape)};
+  if (path == Path::kPipelinedRows || path == Path::kPipelinedAndStashedRows) return {kernel, sm90_launch<Cfg>(shape)};
   const RowLaunch launch =
       row_launch(kernel, path != Path::kRegisterRows, path == Path::kWarpRows, shape.rows, shape.num_packs,
                  cache_packs<Cfg::probs>(), sizeof(Pack<T, VEC>), shape.want_grad, stream_threads<T>(),
@@ -375,11 +426,15 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     using Cfg = decltype(config);
     using T = typename Cfg::scalar;
     using acc_t = acc_type<T>;
-    const CrossEntropyShape shape = cross_entropy_shape(call, Cfg::vec, context.device);
+    const CrossEntropyShape shape = cross_entropy_shape(call, Cfg::vec, context.device, context.stream);
+    const CrossEntropyPath path = cross_entropy_path_of<Cfg>(shape);
     // Not a structured binding: C++17 (torch 2.0's builds) cannot capture one in the lambda below.
-    const auto kernel_and_launch = path_kernel<Cfg>(cross_entropy_path_of<Cfg>(shape), shape);
+    const auto kernel_and_launch = path_kernel<Cfg>(path, shape);
     const auto kernel = kernel_and_launch.first;
     const RowLaunch launch = kernel_and_launch.second;
+    // The stashed kernel's rows beside the pipelined kernel's (kPipelinedAndStashedRows), the last ones.
+    const RowsBeside beside =
+        path == CrossEntropyPath::kPipelinedAndStashedRows ? rows_beside_clusters<Cfg>(shape, true) : RowsBeside{};
     CrossEntropyParams<T> params{};
     params.logits = static_cast<const T*>(call.logits);
     params.target = {call.target, !call.probs && call.target_int32};
@@ -402,8 +457,34 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     params.stash_packs = launch.stash_packs;
     params.stages = launch.stages;
     auto run_loss_kernel = [&] {
-      launch_kernel(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks, context.device,
-                    context.stream, params);
+      if (beside.rows == 0) {
+        launch_kernel(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks,
+                      context.device, context.stream, params);
+        return;
+      }
+      // The pipelined kernel's rows first, then the stashed kernel's, from `first` on; the latter finishes
+      // the scalar loss.
+      const int64_t first = rows - beside.rows;
+      CrossEntropyParams<T> pipelined = params, stashed = params;
+      pipelined.rows = first;
+      pipelined.finish.ticket = nullptr;
+      pipelined.starts_next_kernel = true;
+      stashed.logits += first * call.classes;
+      stashed.target.data = static_cast<const unsigned char*>(call.target) + first * (params.target.int32 ? 4 : 8);
+      stashed.rows = beside.rows;
+      if (stashed.grad_output != nullptr) stashed.grad_output += first;
+      if (stashed.loss_per_row != nullptr) stashed.loss_per_row += first;
+      if (stashed.lse != nullptr) stashed.lse += first;
+      if (stashed.grad_logits != nullptr) stashed.grad_logits += first * call.classes;
+      if (stashed.grad_target != nullptr) stashed.grad_target += first * call.classes;
+      stashed.stash_packs = beside.launch.stash_packs;
+      stashed.stages = 0;
+      stashed.first_partial = launch.blocks;
+      stashed.beside_previous_kernel = true;
+      launch_kernel(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks,
+                    context.device, context.stream, pipelined);
+      launch_kernel(path_kernel<Cfg>(CrossEntropyPath::kStashedRows, shape).first, beside.launch.blocks,
+                    beside.launch.threads, beside.launch.dynamic_smem, 1, context.device, context.stream, stashed);
     };
     if (!scalar_loss) {
       run_loss_kernel();
@@ -417,8 +498,9 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     const int count_threads = 256;
     const bool divided = call.reduction == kMean && !Cfg::probs;
     const bool counted_by_blocks = divided && !shape.want_grad;
-    const bool counted_here = divided && shape.want_grad && rows <= kRowsCountedPerBlock;
-    const int64_t num_partials = launch.blocks;
+    // (Not beside another kernel: each would count its own rows.)
+    const bool counted_here = divided && shape.want_grad && rows <= kRowsCountedPerBlock && beside.rows == 0;
+    const int64_t num_partials = launch.blocks + (beside.rows > 0 ? beside.launch.blocks : 0);
     const int64_t num_divisors = !divided            ? 0
                                  : counted_by_blocks ? launch.blocks
                                  : counted_here       ? 1

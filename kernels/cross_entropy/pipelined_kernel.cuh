@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   using Pair = MaxSum<acc_t, exp_sum_type<T>>;
   using Part = RowPart<acc_t, exp_sum_type<T>>;
   wait_for_previous_kernel();
+  if (params.starts_next_kernel) start_next_kernel();  // the stashed kernel beside this one
   if (recompute_is_needless(params.guess_source, params.guess)) return;  // the whole cluster alike
   __shared__ Pair scratch_pair[32];
   __shared__ sum_t scratch_sum[32];
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   if (params.finish.partials == nullptr) return;
   if (threadIdx.x == 0) {
     params.finish.partials[blockIdx.x] = block_ce;  // 0 but in rank 0
-    params.finish.partials[gridDim.x + blockIdx.x] = block_z;
+    params.finish.partials[params.finish.num_partials + blockIdx.x] = block_z;
   }
   finish_if_last_block(params.finish, scratch_sum);
 }

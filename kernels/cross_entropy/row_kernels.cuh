@@ -222,8 +222,13 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   // Constant false in kSumOnly: the gradient pass below compiles out.
   const bool want_grad = !kSumOnly && (params.grad_logits != nullptr || params.grad_target != nullptr);
 
-  wait_for_previous_kernel();
-  if (recompute_is_needless(params.guess_source, params.guess)) return;
+  // Beside the pipelined kernel (params.beside_previous_kernel) its rows are not that kernel's: it is
+  // waited for at the end.
+  if (!params.beside_previous_kernel) wait_for_previous_kernel();
+  if (recompute_is_needless(params.guess_source, params.guess)) {
+    if (params.beside_previous_kernel) wait_for_previous_kernel();
+    return;
+  }
   const GradientScales<acc_t> scales = gradient_scales<T, kProbs>(params, want_grad, scratch_sum);
   sum_t block_ce = 0, block_z = 0;  // meaningful in team leaders
 
@@ -305,14 +310,16 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
                                                                         stash_packs, g, gx, gy);
     }
   }
+  if (params.beside_previous_kernel) wait_for_previous_kernel();
   if (params.finish.partials == nullptr) return;
   if constexpr (kWarpRows) {  // each warp's leader holds its rows' sums
     block_ce = block_sum(block_ce, scratch_sum);
     if (params.z_loss != 0) block_z = block_sum(block_z, scratch_sum);  // else no term reads it
   }
   if (threadIdx.x == 0) {
-    params.finish.partials[blockIdx.x] = block_ce;
-    params.finish.partials[gridDim.x + blockIdx.x] = block_z;
+    sum_t* partials = params.finish.partials + params.first_partial;
+    partials[blockIdx.x] = block_ce;
+    partials[params.finish.num_partials + blockIdx.x] = block_z;
   }
   if constexpr (!kProbs) {
     if (params.divisors_by_blocks != nullptr) {

@@ -368,7 +368,8 @@ struct CrossEntropyParams {
   // Outputs, each nullptr when not wanted.
   T* loss_per_row;        // (rows): ce + z, reduction 'none'
   acc_type<T>* lse;  // (rows)
-  Finish finish;          // partials (2, gridDim.x): per block, the sum of ce and of z (a term with z_loss)
+  Finish finish;          // partials (2, finish.num_partials): per block from first_partial, the sum of ce and of z
+  int64_t first_partial;  // 0, or beside the pipelined kernel (beside_previous_kernel) its blocks' number
   T* grad_logits;         // (rows, C); may be `logits` itself (inplace_backward)
   T* grad_target;         // (rows, C): probabilities
   // Rows beyond the register cache, when a gradient is written: how many packs of the
@@ -378,6 +379,11 @@ struct CrossEntropyParams {
   // cross_entropy_pipelined_kernel: rows (or a cluster's segments of rows, stash_packs
   // packs each) in flight per block.
   int stages;
+  // Two kernels at once, a share of the rows each (launch_policy.cuh, kPipelinedAndStashedRows): the
+  // pipelined kernel lets the next launch start at once (starts_next_kernel), and that, the stashed
+  // kernel on the multiprocessors its clusters leave, waits for it at its end rather than its start
+  // (beside_previous_kernel), so that its end is theirs and its last block can finish both's sum.
+  bool starts_next_kernel, beside_previous_kernel;
 };
 
 // The scales of the ce and z terms' gradients for a scalar reduction: params.ce_scale,
