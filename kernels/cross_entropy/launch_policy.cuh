@@ -432,7 +432,8 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     const auto kernel_and_launch = path_kernel<Cfg>(path, shape);
     const auto kernel = kernel_and_launch.first;
     const RowLaunch launch = kernel_and_launch.second;
-    // The stashed kernel's rows beside the pipelined kernel's (kPipelinedAndStashedRows), the last ones.
+    // The stashed kernel's rows beside the pipelined kernel's (kPipelinedAndStashedRows), the last ones;
+    // `true`: where the path was forced, a block and a row at least (where chosen there are more).
     const RowsBeside beside =
         path == CrossEntropyPath::kPipelinedAndStashedRows ? rows_beside_clusters<Cfg>(shape, true) : RowsBeside{};
     CrossEntropyParams<T> params{};
