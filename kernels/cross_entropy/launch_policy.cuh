@@ -255,27 +255,29 @@ inline int64_t multiprocessors_beside(const RowLaunch& pipelined, int device) {
 // H200 5% slower, 1024 3.6% faster). Forced (on a GPU whose clusters leave none): a block, a row.
 constexpr int64_t kRowsBesideABlock = 4;
 
+template <typename T>
 struct RowsBeside {
-  RowLaunch launch;
-  int64_t rows;
+  void (*kernel)(CrossEntropyParams<T>) = nullptr;  // the stashed kernel (kStashedRows')
+  RowLaunch launch{};
+  int64_t rows = 0;
 };
 
 template <typename Cfg>
-RowsBeside rows_beside_clusters(const CrossEntropyShape& shape, bool forced) {
+RowsBeside<typename Cfg::scalar> rows_beside_clusters(const CrossEntropyShape& shape, bool forced) {
+  using T = typename Cfg::scalar;
   if constexpr (sm90_kernels_take<Cfg>()) {
-    using T = typename Cfg::scalar;
     const RowLaunch pipelined = sm90_launch<Cfg>(shape);
     const int64_t blocks = std::max<int64_t>(multiprocessors_beside(pipelined, shape.device), forced ? 1 : 0);
     const int64_t rows = std::max<int64_t>(shape.rows * blocks / (pipelined.blocks + blocks), forced ? 1 : 0);
-    if (blocks == 0 || rows < (forced ? 1 : kRowsBesideABlock * blocks)) return {{0, 0, 0, 0}, 0};
+    if (blocks == 0 || rows < (forced ? 1 : kRowsBesideABlock * blocks)) return {};
     const auto kernel = cross_entropy_kernel<T, Cfg::vec, Cfg::edges, false, false, true, false>;
     RowLaunch launch = row_launch(kernel, true, false, rows, shape.num_packs, cache_packs<false>(),
                                   sizeof(Pack<T, Cfg::vec>), true, stream_threads<T>(), stash_threads<T>(false, false),
                                   shape.device);
     launch.blocks = std::min(launch.blocks, blocks);
-    return {launch, rows};
+    return {kernel, launch, rows};
   }
-  return {{0, 0, 0, 0}, 0};
+  return {};
 }
 
 // Why `path` cannot run a call, or nullptr where it can.
@@ -434,8 +436,9 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     const RowLaunch launch = kernel_and_launch.second;
     // The stashed kernel's rows beside the pipelined kernel's (kPipelinedAndStashedRows), the last ones;
     // `true`: where the path was forced, a block and a row at least (where chosen there are more).
-    const RowsBeside beside =
-        path == CrossEntropyPath::kPipelinedAndStashedRows ? rows_beside_clusters<Cfg>(shape, true) : RowsBeside{};
+    const RowsBeside<T> beside = path == CrossEntropyPath::kPipelinedAndStashedRows
+                                     ? rows_beside_clusters<Cfg>(shape, true)
+                                     : RowsBeside<T>{};
     CrossEntropyParams<T> params{};
     params.logits = static_cast<const T*>(call.logits);
     params.target = {call.target, !call.probs && call.target_int32};
@@ -479,13 +482,12 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
       if (stashed.grad_logits != nullptr) stashed.grad_logits += first * call.classes;
       if (stashed.grad_target != nullptr) stashed.grad_target += first * call.classes;
       stashed.stash_packs = beside.launch.stash_packs;
-      stashed.stages = 0;
       stashed.first_partial = launch.blocks;
       stashed.beside_previous_kernel = true;
       launch_kernel(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks,
                     context.device, context.stream, pipelined);
-      launch_kernel(path_kernel<Cfg>(CrossEntropyPath::kStashedRows, shape).first, beside.launch.blocks,
-                    beside.launch.threads, beside.launch.dynamic_smem, 1, context.device, context.stream, stashed);
+      launch_kernel(beside.kernel, beside.launch.blocks, beside.launch.threads, beside.launch.dynamic_smem, 1,
+                    context.device, context.stream, stashed);
     };
     if (!scalar_loss) {
       run_loss_kernel();
