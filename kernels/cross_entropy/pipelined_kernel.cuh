@@ -38,8 +38,8 @@ struct alignas(8) RowPart {
 };
 
 // A row's reductions across the cluster: each block sends its segment's part to every
-// block of the cluster (st.async, completing a barrier there), then combines them all.
-// Two slots, alternating row by row (parts).
+// block of the cluster (st.async, completing a barrier there), then combines them all, the
+// max first (allreduce_max_sum). Two slots, alternating row by row (parts).
 template <typename Part, typename Pair, typename acc_t>
 __device__ __forceinline__ void combine_cluster_parts(int64_t k, int rank, int blocks,
                                                       Part (&parts)[2][kMaxClusterBlocks], uint64_t (&parts_full)[2],
@@ -51,10 +51,12 @@ __device__ __forceinline__ void combine_cluster_parts(int64_t k, int rank, int b
   }
   mbarrier_wait(&parts_full[slot], static_cast<uint32_t>(k >> 1) & 1u);
   // Combined in rank order by every block: each computes the same bits.
-  acc = parts[slot][0].max_sum;
-  target_logit = parts[slot][0].target_logit;
-  for (int b = 1; b < blocks; ++b) {
-    acc = combine(acc, parts[slot][b].max_sum, s);
+  acc.max = parts[slot][0].max_sum.max;
+  for (int b = 1; b < blocks; ++b) acc.max = max_acc(acc.max, parts[slot][b].max_sum.max);
+  acc.sum = 0;
+  target_logit = 0;
+  for (int b = 0; b < blocks; ++b) {
+    acc.sum += sum_relative_to(parts[slot][b].max_sum, acc.max, s);
     target_logit += parts[slot][b].target_logit;
   }
 }
@@ -73,11 +75,11 @@ __device__ __forceinline__ void write_segment_gradient(const CrossEntropyParams<
                                                        const RowGradient<acc_t>& g) {
   T* gx_segment = gx + edges.head + begin * VEC;
   const Pack<T, 1> no_target{};
-  for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
+  for (int p = threadIdx.x; p < static_cast<int>(packs); p += kPipelineThreads) {
     store_grad_pack<T, VEC, false, false, false>(load_pack<T, VEC>(segment[p].val), Pack<T, VEC>{}, p * VEC, g,
                                                  params.exp_c, params.weight, gx_segment, nullptr);
   }
-  if (target_here && (target_in_segment / VEC) % blockDim.x == threadIdx.x) {
+  if (target_here && (target_in_segment / VEC) % kPipelineThreads == threadIdx.x) {
     Pack<T, 1> target_x;
     target_x.val[0] = segment[target_in_segment / VEC].val[target_in_segment % VEC];
     store_grad_pack<T, 1, false, false>(target_x, no_target, t.index, g, params.exp_c, params.weight, gx, nullptr);
@@ -96,7 +98,8 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   wait_for_previous_kernel();
   if (params.starts_next_kernel) start_next_kernel();  // the stashed kernel beside this one
   if (recompute_is_needless(params.guess_source, params.guess)) return;  // the whole cluster alike
-  __shared__ Pair scratch_pair[32];
+  __shared__ acc_t scratch_max[32];
+  __shared__ exp_sum_type<T> scratch_exp_sum[32];
   __shared__ sum_t scratch_sum[32];
   __shared__ acc_t target_logit_here;
   // Every block's part of the row, as the blocks send them; two rows' worth, so a block
@@ -122,8 +125,9 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
   const int stages = params.stages;
   const ClusterPlace place = cluster_place();
   const int rank = place.rank, blocks = place.blocks;
-  // The cluster's k-th row: every block of a cluster walks the same rows.
-  auto row_of = [&](int64_t k) { return int64_t(blockIdx.x / blocks) + k * int64_t(gridDim.x / blocks); };
+  // The cluster's k-th row: every block of a cluster walks the same rows. Divided once, not a row.
+  const int64_t first_row = blockIdx.x / blocks, row_step = gridDim.x / blocks;
+  auto row_of = [&](int64_t k) { return first_row + k * row_step; };
   auto segment_begin = [&](const RowEdges<T, VEC, kEdges>& edges) {
     return std::min<int64_t>(edges.num_packs, rank * segment_packs);
   };
@@ -183,11 +187,10 @@ __global__ void __launch_bounds__(kPipelineThreads) cross_entropy_pipelined_kern
       if (target_here) logit = static_cast<acc_t>(segment[target_in_segment / VEC].val[target_in_segment % VEC]);
       target_logit_here = logit;  // read by all after the block's reduction
     }
-    for (int p = threadIdx.x; p < static_cast<int>(packs); p += blockDim.x) {
+    for (int p = threadIdx.x; p < static_cast<int>(packs); p += kPipelineThreads) {
       acc = add_pack(acc, load_pack<T, VEC>(segment[p].val), params.exp_c);
     }
-    acc = block_allreduce(acc, CombineMaxSum<acc_t>{params.inverse_temperature}, Pair{-infinity<acc_t>(), 0},
-                          scratch_pair);
+    acc = allreduce_max_sum<false>(acc, params.inverse_temperature, scratch_max, scratch_exp_sum);
     acc_t target_logit = target_logit_here;
     if (blocks > 1) {
       combine_cluster_parts(k, rank, blocks, parts, parts_full, acc, target_logit, params.inverse_temperature);

@@ -209,7 +209,6 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
   constexpr int kPacks = cache_packs<kProbs>();
   __shared__ acc_t scratch[32];
   using exp_sum_t = exp_sum_type<T>;
-  __shared__ MaxSum<acc_t, exp_sum_t> scratch_pair[32];
   __shared__ exp_sum_t scratch_exp_sum[32];
   __shared__ ClassSums<sum_t> scratch_sums[kClassSums ? 32 : 1];
   __shared__ sum_t scratch_sum[32];
@@ -289,9 +288,8 @@ __global__ void __launch_bounds__(kStreamed && !kSumOnly ? stash_threads<T>(kPro
         }
       });
       read_target_logit();
-      acc = team.allreduce(acc, CombineMaxSum<acc_t>{params.inverse_temperature},
-                           MaxSum<acc_t, exp_sum_t>{-infinity<acc_t>(), exp_sum_t(0)},
-                           scratch_pair);
+      // scratch and scratch_exp_sum: the register path's alone otherwise.
+      acc = allreduce_max_sum<kWarpRows>(acc, params.inverse_temperature, scratch, scratch_exp_sum);
       row_max = acc.max;
       sum = acc.sum;
     }

@@ -53,31 +53,38 @@ struct MaxSum {
   sum_type sum;
 };
 
+// A part's sum of exp(s (x - part.max)) made relative to `max` (>= part.max): one exp. A part
+// that saw only -inf, or the max itself, keeps its sum (0, or NaN) rather than multiply it by
+// exp(-inf - -inf), NaN.
 template <typename acc_t, typename sum_type>
-__device__ __forceinline__ MaxSum<acc_t, sum_type> combine(MaxSum<acc_t, sum_type> a, MaxSum<acc_t, sum_type> b,
-                                                           acc_t s) {
-  const acc_t max = max_acc(a.max, b.max);
-  // When both maxima are -inf nothing but -inf (or NaN) has been added: keep the sum at 0
-  // (not exp(-inf - -inf), NaN), or NaN where a part holds one.
-  if (max == -infinity<acc_t>()) return {max, a.sum + b.sum};
-  return {max, a.sum * exp_acc((a.max - max) * s) + b.sum * exp_acc((b.max - max) * s)};
+__device__ __forceinline__ sum_type sum_relative_to(MaxSum<acc_t, sum_type> part, acc_t max, acc_t s) {
+  return part.max == max ? part.sum : part.sum * exp_acc((part.max - max) * s);
 }
 
-template <typename acc_t, typename sum_type>
-__device__ __forceinline__ MaxSum<acc_t, sum_type> shfl_xor(MaxSum<acc_t, sum_type> v, int mask) {
-  return {shfl_xor(v.max, mask), shfl_xor(v.sum, mask)};
-}
-
-// s: 1 / temperature.
-template <typename acc_t>
-struct CombineMaxSum {
-  acc_t s;
-  template <typename sum_type>
-  __device__ __forceinline__ MaxSum<acc_t, sum_type> operator()(MaxSum<acc_t, sum_type> a,
-                                                                MaxSum<acc_t, sum_type> b) const {
-    return combine(a, b, s);
+// A row's (max, sum) from the parts its team's threads hold, given to every thread: the max
+// first, then each thread's sum relative to it, then the sums. Pairs combined level by level
+// cost two exps a level on the critical path (the pipelined kernel's once-a-row code was 39%
+// of its instructions, notes v67). kWarp: one warp, no barrier. Else the block, with two
+// barriers and none after: scratch_max and scratch_sum must be this reduction's alone (a
+// next call writes each only after a barrier that every thread reaches after reading it).
+template <bool kWarp, typename acc_t, typename sum_type>
+__device__ __forceinline__ MaxSum<acc_t, sum_type> allreduce_max_sum(MaxSum<acc_t, sum_type> part, acc_t s,
+                                                                     acc_t* scratch_max, sum_type* scratch_sum) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
+  acc_t max = warp_allreduce(part.max, MaxOp());
+  if constexpr (!kWarp) {
+    if (lane == 0) scratch_max[warp] = max;
+    __syncthreads();
+    max = warp_allreduce(lane < num_warps ? scratch_max[lane] : -infinity<acc_t>(), MaxOp());
   }
-};
+  sum_type sum = warp_allreduce(sum_relative_to(part, max, s), SumOp<sum_type>());
+  if constexpr (!kWarp) {
+    if (lane == 0) scratch_sum[warp] = sum;
+    __syncthreads();
+    sum = warp_allreduce(lane < num_warps ? scratch_sum[lane] : sum_type(0), SumOp<sum_type>());
+  }
+  return {max, sum};
+}
 
 // The largest value of a pack: NaN loses, as in max_acc, or with kNaNWins it wins. 2-byte
 // values pairwise in their own format first (max.f16x2 / max.bf16x2, sm_80): exact, and
