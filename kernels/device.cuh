@@ -73,6 +73,10 @@ __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
+// A product rounded on its own, never fused into a following add (an FMA keeps the product's
+// rounding error, which a difference of two near-equal terms then shows).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 // exp and log of values that came from, or go to, a 2-byte dtype (half, bfloat16): the
 // hardware's approximations (about 2^-21 relative error) are invisible at 2^-11 output
 // precision and several times cheaper. Wider dtypes get the correctly rounded ones.
@@ -232,6 +236,16 @@ __device__ __forceinline__ T block_allreduce(T value, Combine combine, T identit
 template <typename T>
 __device__ __forceinline__ T block_sum(T value, T* scratch) {
   return block_allreduce(value, SumOp<T>(), T(0), scratch);
+}
+
+// Barrier `id` (1-15; 0 is __syncthreads') for `threads` threads (a multiple of 32) of the block:
+// sync waits for all of them, arrive counts this thread in and goes on. What a thread wrote
+// before either is visible after the sync to those that waited.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Logits of the cross-entropy row passes and of the fused product's epilogue (gemm_sm90.cuh).

@@ -154,10 +154,11 @@ RowLaunch row_launch(Kernel kernel, bool streamed, bool warp_rows, int64_t rows,
 // fit there, up to kMaxPipelineStages: three stages keep two rows on their way while the
 // block works on a third; more and smaller blocks per row were slower, and so were
 // clusters of 3 (a cluster's blocks share a GPC: notes, v21-v22).
-template <typename Kernel>
-RowLaunch pipelined_launch(Kernel kernel, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
-  const size_t budget = max_dynamic_smem(kernel, device);
+template <typename KernelFor>
+RowLaunch pipelined_launch(KernelFor kernel_for, int64_t rows, int64_t num_packs, size_t pack_bytes, int device) {
   for (int cluster_blocks = 1; cluster_blocks <= kMaxClusterBlocks; cluster_blocks *= 2) {
+    const auto kernel = kernel_for(cluster_blocks);
+    const size_t budget = max_dynamic_smem(kernel, device);
     const int64_t segment_packs = (num_packs + cluster_blocks - 1) / cluster_blocks;
     // Each stage with its slack (bulk_stage_bytes), and kBulkCopyAlign more to align the first.
     const size_t segment_bytes = bulk_stage_bytes(segment_packs * pack_bytes);
@@ -229,13 +230,20 @@ constexpr bool sm90_kernels_take() {
   return !Cfg::probs && !Cfg::class_sums && sizeof(typename Cfg::scalar) <= 4;
 }
 
+// The pipelined kernel for clusters of `cluster_blocks` blocks.
+template <typename Cfg>
+auto pipelined_kernel(int cluster_blocks) {
+  using T = typename Cfg::scalar;
+  return cluster_blocks > 1 ? cross_entropy_pipelined_kernel<T, Cfg::vec, Cfg::edges, true>
+                            : cross_entropy_pipelined_kernel<T, Cfg::vec, Cfg::edges, false>;
+}
+
 // The pipelined kernel's launch (sm_90), or blocks == 0 where the call does not fit it.
 template <typename Cfg>
 RowLaunch sm90_launch(const CrossEntropyShape& shape) {
   if constexpr (sm90_kernels_take<Cfg>()) {
-    using T = typename Cfg::scalar;
-    return pipelined_launch(cross_entropy_pipelined_kernel<T, Cfg::vec, Cfg::edges>, shape.rows, shape.num_packs,
-                            sizeof(Pack<T, Cfg::vec>), shape.device);
+    return pipelined_launch(pipelined_kernel<Cfg>, shape.rows, shape.num_packs,
+                            sizeof(Pack<typename Cfg::scalar, Cfg::vec>), shape.device);
   }
   return {0, 0, 0, 0};
 }
@@ -407,11 +415,13 @@ std::pair<void (*)(CrossEntropyParams<typename Cfg::scalar>), RowLaunch> path_ke
       break;
     case Path::kPipelinedRows:
     case Path::kPipelinedAndStashedRows:  // and rows_beside_clusters' kernel
-      if constexpr (sm90_kernels_take<Cfg>()) kernel = cross_entropy_pipelined_kernel<T, VEC, Cfg::edges>;
+      if constexpr (sm90_kernels_take<Cfg>()) {
+        const RowLaunch launch = sm90_launch<Cfg>(shape);
+        return {pipelined_kernel<Cfg>(launch.cluster_blocks), launch};
+      }
       break;
   }
   check(kernel != nullptr, "cross_entropy: internal error: no kernel for the path");
-  if (path == Path::kPipelinedRows || path == Path::kPipelinedAndStashedRows) return {kernel, sm90_launch<Cfg>(shape)};
   const RowLaunch launch =
       row_launch(kernel, path != Path::kRegisterRows, path == Path::kWarpRows, shape.rows, shape.num_packs,
                  cache_packs<Cfg::probs>(), sizeof(Pack<T, VEC>), shape.want_grad, stream_threads<T>(),

@@ -64,23 +64,33 @@ __device__ __forceinline__ sum_type sum_relative_to(MaxSum<acc_t, sum_type> part
 // A row's (max, sum) from the parts its team's threads hold, given to every thread: the max
 // first, then each thread's sum relative to it, then the sums. Pairs combined level by level
 // cost two exps a level on the critical path (the pipelined kernel's once-a-row code was 39%
-// of its instructions, notes v67). kWarp: one warp, no barrier. Else the block, with two
-// barriers and none after: scratch_max and scratch_sum must be this reduction's alone (a
-// next call writes each only after a barrier that every thread reaches after reading it).
+// of its instructions, notes v67). kWarp: one warp, no barrier. Else the block's first
+// `threads` threads (0: the block) at named barrier `barrier` (0: __syncthreads), twice, and
+// not after: scratch_max and scratch_sum must be this reduction's alone (a next call writes
+// each only after a barrier that every thread reaches after reading it).
 template <bool kWarp, typename acc_t, typename sum_type>
 __device__ __forceinline__ MaxSum<acc_t, sum_type> allreduce_max_sum(MaxSum<acc_t, sum_type> part, acc_t s,
-                                                                     acc_t* scratch_max, sum_type* scratch_sum) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
+                                                                     acc_t* scratch_max, sum_type* scratch_sum,
+                                                                     int barrier = 0, int threads = 0) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int num_warps = (threads == 0 ? blockDim.x : threads) / 32;
+  auto sync = [&] {
+    if (barrier == 0) {
+      __syncthreads();
+    } else {
+      named_barrier_sync(barrier, threads);
+    }
+  };
   acc_t max = warp_allreduce(part.max, MaxOp());
   if constexpr (!kWarp) {
     if (lane == 0) scratch_max[warp] = max;
-    __syncthreads();
+    sync();
     max = warp_allreduce(lane < num_warps ? scratch_max[lane] : -infinity<acc_t>(), MaxOp());
   }
   sum_type sum = warp_allreduce(sum_relative_to(part, max, s), SumOp<sum_type>());
   if constexpr (!kWarp) {
     if (lane == 0) scratch_sum[warp] = sum;
-    __syncthreads();
+    sync();
     sum = warp_allreduce(lane < num_warps ? scratch_sum[lane] : sum_type(0), SumOp<sum_type>());
   }
   return {max, sum};
@@ -228,7 +238,9 @@ __device__ __forceinline__ void store_grad_pack(const Pack<T, VEC>& x, const Pac
       kOneHot && one_hot_in_pack >= 0 && one_hot_in_pack < VEC ? static_cast<int>(one_hot_in_pack) : -1;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {
-    acc_t d = exp_minus_scaled<T>(static_cast<acc_t>(x.val[k]), g.row_max, exp_c) * g.A_over_sum;
+    // Rounded before the one-hot term: where p_t A rounds to B (a row whose max dwarfs the rest) the
+    // target's gradient is then exactly 0, as torch's.
+    acc_t d = mul_rn(exp_minus_scaled<T>(static_cast<acc_t>(x.val[k]), g.row_max, exp_c), g.A_over_sum);
     if (kOneHot && k == one_hot_k) d -= g.B;
     if constexpr (kClassSums) {
       const acc_t w = class_weight(weight, first_class + k);
