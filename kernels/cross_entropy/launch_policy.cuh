@@ -258,10 +258,12 @@ inline int64_t multiprocessors_beside(const RowLaunch& pipelined, int device) {
 
 // kPipelinedAndStashedRows: the stashed kernel's launch beside the pipelined kernel's clusters, and its
 // rows, the call's last ones: a block on each multiprocessor the clusters leave, rows in proportion to
-// its blocks (on the H200 a stashed block keeps pace with a clustered one: notes, v66); rows == 0 where
-// that gives a block fewer than kRowsBesideABlock rows (fewer lost: 256 rows of 128256 classes on the
-// H200 5% slower, 1024 3.6% faster). Forced (on a GPU whose clusters leave none): a block, a row.
+// its blocks, each weighing kBesidePacePercent of a clustered block (the stashed block's pace against a
+// clustered one's, measured on the H200: notes, v66, v68); rows == 0 where that gives a block fewer
+// than kRowsBesideABlock rows (fewer lost: 256 rows of 128256 classes on the H200 5% slower, 1024 3.6%
+// faster). Forced (on a GPU whose clusters leave none): a block, a row.
 constexpr int64_t kRowsBesideABlock = 4;
+constexpr int64_t kBesidePacePercent = 95;
 
 template <typename T>
 struct RowsBeside {
@@ -276,7 +278,8 @@ RowsBeside<typename Cfg::scalar> rows_beside_clusters(const CrossEntropyShape& s
   if constexpr (sm90_kernels_take<Cfg>()) {
     const RowLaunch pipelined = sm90_launch<Cfg>(shape);
     const int64_t blocks = std::max<int64_t>(multiprocessors_beside(pipelined, shape.device), forced ? 1 : 0);
-    const int64_t rows = std::max<int64_t>(shape.rows * blocks / (pipelined.blocks + blocks), forced ? 1 : 0);
+    const int64_t weighed = blocks * kBesidePacePercent;
+    const int64_t rows = std::max<int64_t>(shape.rows * weighed / (pipelined.blocks * 100 + weighed), forced ? 1 : 0);
     if (blocks == 0 || rows < (forced ? 1 : kRowsBesideABlock * blocks)) return {};
     const auto kernel = cross_entropy_kernel<T, Cfg::vec, Cfg::edges, false, false, true, false>;
     RowLaunch launch = row_launch(kernel, true, false, rows, shape.num_packs, cache_packs<false>(),
