@@ -256,8 +256,8 @@ inline int64_t multiprocessors_beside(const RowLaunch& pipelined, int device) {
   return pipelined.cluster_blocks > 1 ? std::max<int64_t>(0, multiprocessor_count(device) - pipelined.blocks) : 0;
 }
 
-// kPipelinedAndStashedRows: the stashed kernel's launch beside the pipelined kernel's clusters, and its
-// rows, the call's last ones: a block on each multiprocessor the clusters leave, rows in proportion to
+// kPipelinedAndStashedRows: the rows the stashed kernel (kStashedRows') takes beside the pipelined kernel's
+// clusters, the call's last ones, on a block a multiprocessor the clusters leave: rows in proportion to
 // its blocks, each weighing kBesidePacePercent of a clustered block (the stashed block's pace against a
 // clustered one's, measured on the H200: notes, v66, v68); rows == 0 where that gives a block fewer
 // than kRowsBesideABlock rows (fewer lost: 256 rows of 128256 classes on the H200 5% slower, 1024 3.6%
@@ -265,28 +265,20 @@ inline int64_t multiprocessors_beside(const RowLaunch& pipelined, int device) {
 constexpr int64_t kRowsBesideABlock = 4;
 constexpr int64_t kBesidePacePercent = 95;
 
-template <typename T>
+// The rows beside the clusters and the blocks they run on (0 rows: none).
 struct RowsBeside {
-  void (*kernel)(CrossEntropyParams<T>) = nullptr;  // the stashed kernel (kStashedRows')
-  RowLaunch launch{};
-  int64_t rows = 0;
+  int64_t rows = 0, blocks = 0;
 };
 
 template <typename Cfg>
-RowsBeside<typename Cfg::scalar> rows_beside_clusters(const CrossEntropyShape& shape, bool forced) {
-  using T = typename Cfg::scalar;
+RowsBeside rows_beside_clusters(const CrossEntropyShape& shape, bool forced) {
   if constexpr (sm90_kernels_take<Cfg>()) {
     const RowLaunch pipelined = sm90_launch<Cfg>(shape);
     const int64_t blocks = std::max<int64_t>(multiprocessors_beside(pipelined, shape.device), forced ? 1 : 0);
     const int64_t weighed = blocks * kBesidePacePercent;
     const int64_t rows = std::max<int64_t>(shape.rows * weighed / (pipelined.blocks * 100 + weighed), forced ? 1 : 0);
     if (blocks == 0 || rows < (forced ? 1 : kRowsBesideABlock * blocks)) return {};
-    const auto kernel = cross_entropy_kernel<T, Cfg::vec, Cfg::edges, false, false, true, false>;
-    RowLaunch launch = row_launch(kernel, true, false, rows, shape.num_packs, cache_packs<false>(),
-                                  sizeof(Pack<T, Cfg::vec>), true, stream_threads<T>(), stash_threads<T>(false, false),
-                                  shape.device);
-    launch.blocks = std::min(launch.blocks, blocks);
-    return {kernel, launch, rows};
+    return {rows, blocks};
   }
   return {};
 }
@@ -417,7 +409,7 @@ std::pair<void (*)(CrossEntropyParams<typename Cfg::scalar>), RowLaunch> path_ke
       }
       break;
     case Path::kPipelinedRows:
-    case Path::kPipelinedAndStashedRows:  // and rows_beside_clusters' kernel
+    case Path::kPipelinedAndStashedRows:  // its rows beside the clusters: kStashedRows' kernel
       if constexpr (sm90_kernels_take<Cfg>()) {
         const RowLaunch launch = sm90_launch<Cfg>(shape);
         return {pipelined_kernel<Cfg>(launch.cluster_blocks), launch};
@@ -449,9 +441,17 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     const RowLaunch launch = kernel_and_launch.second;
     // The stashed kernel's rows beside the pipelined kernel's (kPipelinedAndStashedRows), the last ones;
     // `true`: where the path was forced, a block and a row at least (where chosen there are more).
-    const RowsBeside<T> beside = path == CrossEntropyPath::kPipelinedAndStashedRows
-                                     ? rows_beside_clusters<Cfg>(shape, true)
-                                     : RowsBeside<T>{};
+    const RowsBeside beside = path == CrossEntropyPath::kPipelinedAndStashedRows
+                                  ? rows_beside_clusters<Cfg>(shape, true)
+                                  : RowsBeside{};
+    // Their kernel and launch: kStashedRows' for those rows, a block a multiprocessor beside at most.
+    std::pair<void (*)(CrossEntropyParams<T>), RowLaunch> stashed_beside{};
+    if (beside.rows > 0) {
+      CrossEntropyShape beside_shape = shape;
+      beside_shape.rows = beside.rows;
+      stashed_beside = path_kernel<Cfg>(CrossEntropyPath::kStashedRows, beside_shape);
+      stashed_beside.second.blocks = std::min(stashed_beside.second.blocks, beside.blocks);
+    }
     CrossEntropyParams<T> params{};
     params.logits = static_cast<const T*>(call.logits);
     params.target = {call.target, !call.probs && call.target_int32};
@@ -494,12 +494,13 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
       if (stashed.lse != nullptr) stashed.lse += first;
       if (stashed.grad_logits != nullptr) stashed.grad_logits += first * call.classes;
       if (stashed.grad_target != nullptr) stashed.grad_target += first * call.classes;
-      stashed.stash_packs = beside.launch.stash_packs;
+      stashed.stash_packs = stashed_beside.second.stash_packs;
       stashed.first_partial = launch.blocks;
       stashed.beside_previous_kernel = true;
       launch_kernel(kernel, launch.blocks, launch.threads, launch.dynamic_smem, launch.cluster_blocks,
                     context.device, context.stream, pipelined);
-      launch_kernel(beside.kernel, beside.launch.blocks, beside.launch.threads, beside.launch.dynamic_smem, 1,
+      const RowLaunch& beside_launch = stashed_beside.second;
+      launch_kernel(stashed_beside.first, beside_launch.blocks, beside_launch.threads, beside_launch.dynamic_smem, 1,
                     context.device, context.stream, stashed);
     };
     if (!scalar_loss) {
@@ -516,7 +517,7 @@ inline void launch_cross_entropy(const CrossEntropyCall& call, const LaunchConte
     const bool counted_by_blocks = divided && !shape.want_grad;
     // (Not beside another kernel: each would count its own rows.)
     const bool counted_here = divided && shape.want_grad && rows <= kRowsCountedPerBlock && beside.rows == 0;
-    const int64_t num_partials = launch.blocks + (beside.rows > 0 ? beside.launch.blocks : 0);
+    const int64_t num_partials = launch.blocks + (beside.rows > 0 ? stashed_beside.second.blocks : 0);
     const int64_t num_divisors = !divided            ? 0
                                  : counted_by_blocks ? launch.blocks
                                  : counted_here       ? 1
