@@ -175,30 +175,71 @@ def gradient_form(x, weight, bias, wants, label_smoothing: float, stat_rows: int
             and not label_smoothing and stat_rows == row_passes.STAT_ROWS and fused_product(x, weight, bias))
 
 
+# At least FORM_ROWS rows a chunk where gradient_form: fewer make d input's product skinny (H200, frozen Llama 3
+# 8192 x 4096 x 128256: 896 rows 27.9 ms, 1024 in 2 parts 26.5; Gemma 2: 384 rows 33.6, 1024 in 3 parts 32.0;
+# notes v70). Their bytes stay within the budget by a vocabulary in parts (form_parts).
+FORM_ROWS = 1024
+FORM_PART_ALIGN = 192  # a vocabulary part's classes: whole tiles of row_stats' (kGemmRowStatsTileColumns)
+
+
+def _form_bytes(rows: int, vocab: int, hidden: int, parts: int) -> int:
+    """A gradient-form chunk's bytes: a part's E and its pieces' exponents, with its statistics' partials and d
+    input's float32 sum (in the partials' memory after them where the vocabulary is whole; carried beside them
+    from part to part)."""
+    width = -(-vocab // parts)
+    partials, carry = 4 * 5 * -(-width // FORM_PART_ALIGN), 4 * hidden
+    return rows * (2 * (-(-width // 8) * 8) + 4 * -(-width // 64) +
+                   (max(partials, carry) if parts == 1 else partials + carry))
+
+
 def gradient_form_rows(vocab: int, hidden: int) -> int:
-    """Rows a chunk where gradient_form: as many as keep E and its pieces' exponents, with the statistics'
-    partials or (after them, in their memory) d input's float32 sum, within the logits a cuBLAS chunk of
-    row_chunk_rows holds, in whole ROW_ALIGN tiles."""
+    """Rows a chunk where gradient_form: as many whole ROW_ALIGN tiles as keep its bytes (_form_bytes, the vocabulary
+    whole) within the logits a cuBLAS chunk of row_chunk_rows holds, and at least FORM_ROWS (form_parts_for then
+    cuts the vocabulary into parts)."""
     budget = row_chunk_rows(vocab, 2) * vocab * 2
-    partials = 4 * row_passes.STAT_ROWS * -(-vocab // 192)  # row_stats' float32 partials a row
-    per_row = 2 * (-(-vocab // 8) * 8) + 4 * -(-vocab // 64) + max(partials, 4 * hidden)
-    return max(budget // per_row // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
+    rows = budget // _form_bytes(1, vocab, hidden, 1) // ROW_ALIGN * ROW_ALIGN
+    return max(rows, FORM_ROWS)
+
+
+def form_parts_for(rows: int, vocab: int, hidden: int) -> int:
+    """The fewest vocabulary parts whose bytes (_form_bytes) a chunk of `rows` keeps within gradient_form_rows'
+    budget."""
+    budget = row_chunk_rows(vocab, 2) * vocab * 2
+    parts = 1
+    while parts * FORM_PART_ALIGN < vocab and _form_bytes(rows, vocab, hidden, parts) > budget:
+        parts += 1
+    return parts
+
+
+def form_parts(vocab: int, parts: int) -> list:
+    """[(first, end), ...]: the vocabulary in `parts` parts of whole FORM_PART_ALIGN tiles (the last the rest)."""
+    width = -(-vocab // parts)
+    width = -(-width // FORM_PART_ALIGN) * FORM_PART_ALIGN
+    return [(first, min(first + width, vocab)) for first in range(0, vocab, width)]
 
 
 def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, softcap: float, temperature: float,
-                         grad_x):
+                         grad_x, parts: int = 1):
     """A chunk of rows by the gradient form (gradient_form): its statistics (5, rows) returned, its d input for a
-    grad_output of 1 written into grad_x."""
+    grad_output of 1 written into grad_x. The vocabulary in `parts` (form_parts): each part's E in turn, d input's
+    float32 sum carried from part to part (grad_input), the statistics combined as they come."""
     ops = helpers.kernel_ops("linear_ce_gemm", x)
     rows, vocab = x.shape[0], weight.shape[0]
-    e = torch.empty(rows, -(-vocab // 8) * 8, dtype=x.dtype, device=x.device)[:, :vocab]  # rows 16 B-aligned
-    piece_max = torch.empty(-(-vocab // 64), rows, dtype=torch.float32, device=x.device)
-    partials = ops.row_stats_training(x, weight, None if bias is None else bias.contiguous(), target, float(softcap),
-                                      float(temperature), e, piece_max, 0)
-    stats = ops.combine_row_stats(partials)
-    del partials
-    ops.grad_input(e, piece_max, weight, stats, target, row_scale, float(z_loss), float(softcap), float(temperature),
-                   grad_x, 0)
+    bounds = form_parts(vocab, parts)
+    width = max(end - first for first, end in bounds)
+    e_rows = torch.empty(rows, -(-width // 8) * 8, dtype=x.dtype, device=x.device)  # rows 16 B-aligned
+    piece_rows = torch.empty(-(-width // 64), rows, dtype=torch.float32, device=x.device)
+    carry = torch.empty(x.shape, dtype=torch.float32, device=x.device) if len(bounds) > 1 else None
+    stats = None
+    for first, end in bounds:
+        e, piece_max = e_rows[:, :end - first], piece_rows[:-(-(end - first) // 64)]
+        part_stats = ops.combine_row_stats(ops.row_stats_training(
+            x, weight[first:end], None if bias is None else bias[first:end].contiguous(),
+            target - first if first else target, float(softcap), float(temperature), e, piece_max, 0))
+        previous, stats = stats, (part_stats if stats is None else
+                                  ops.combine_row_stats(torch.stack((stats, part_stats))))  # as tiles of the row
+        ops.grad_input(e, piece_max, weight, first, stats, target, row_scale, float(z_loss), float(softcap),
+                       float(temperature), grad_x, carry, previous, end == vocab, 0)
     return stats
 
 
@@ -296,7 +337,8 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
         if form:
             stats[:, first:end] = _gradient_form_chunk(x[first:end], weight, bias, target[first:end],
                                                        row_scale[first:end], z_loss, softcap, temperature,
-                                                       grad_x[first:end])
+                                                       grad_x[first:end], form_parts_for(end - first, vocab,
+                                                                                         x.shape[1]))
             continue
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device, stat_rows)  # contiguous, for the kernels

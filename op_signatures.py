@@ -84,8 +84,9 @@ KERNEL_OPS = {
         "combine_row_stats": "(Tensor partials) -> Tensor",
         "row_stats_training": ("(Tensor a, Tensor b, Tensor? bias, Tensor target, float softcap, float temperature, "
                                "Tensor(a!) e, Tensor(b!) piece_max, int max_blocks) -> Tensor"),
-        "grad_input": ("(Tensor e, Tensor piece_max, Tensor w, Tensor stats, Tensor target, Tensor row_scale, "
-                       "float z_loss, float softcap, float temperature, Tensor(a!) out, int max_blocks) -> ()"),
+        "grad_input": ("(Tensor e, Tensor piece_max, Tensor w, int first_class, Tensor stats, Tensor target, "
+                       "Tensor row_scale, float z_loss, float softcap, float temperature, Tensor(a!) out, "
+                       "Tensor(b!)? carry, Tensor? previous_stats, bool finish, int max_blocks) -> ()"),
     },
 }
 
@@ -96,6 +97,7 @@ EXTRA_BINDINGS = {"cross_entropy": {"cross_entropy_path": KERNEL_OPS["cross_entr
 
 _CPP_TYPES = {"Tensor": "const at::Tensor&", "Tensor?": "const c10::optional<at::Tensor>&", "Tensor(a!)": "at::Tensor",
               "Tensor(b!)": "at::Tensor", "Tensor(a!)?": "const c10::optional<at::Tensor>&",
+              "Tensor(b!)?": "const c10::optional<at::Tensor>&",
               "int": "int64_t", "float": "double", "bool": "bool"}
 
 

@@ -698,17 +698,21 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_RETURNS linear_ce_gemm_row
 // d input (m, n) = g w for the logits' gradient g that row_stats_training's e, piece_max and the combined stats
 // ((5, m)) give, for a grad_output of 1 and row_scale (m,), without label
 // smoothing or the entropy's term (gemm_sm90_grad_input.cuh), into out ((m, n) bfloat16, n contiguous).
-// w: (classes, n) bfloat16, n contiguous, rows 16 B-aligned.
+// w: (classes, n) bfloat16, n contiguous, rows 16 B-aligned; e holds classes [first_class, first_class + its
+// columns). A vocabulary in parts, a call a part in order: carry ((m, n) float32) holds the sum between the
+// calls, previous_stats the stats before this part (None for the first), finish the last (it writes out).
 inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
     FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_PARAMS) {
-  TORCH_CHECK(e.is_cuda() && e.dim() == 2 && w.dim() == 2 && w.device() == e.device() && e.size(1) == w.size(0),
-              "gemm_grad_input: e (m, classes) and w (classes, n) must be 2-D CUDA tensors on one device");
+  TORCH_CHECK(e.is_cuda() && e.dim() == 2 && w.dim() == 2 && w.device() == e.device(),
+              "gemm_grad_input: e (m, part) and w (classes, n) must be 2-D CUDA tensors on one device");
+  TORCH_CHECK_VALUE(first_class >= 0 && first_class + e.size(1) <= w.size(0),
+                    "gemm_grad_input: classes [first_class, first_class + e.size(1)) must be rows of w");
   TORCH_CHECK_VALUE(e.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
                         out.scalar_type() == at::kBFloat16,
                     "gemm_grad_input: e, w and out must be bfloat16");
   const int64_t m = e.size(0), k = e.size(1), n = w.size(1);
   TORCH_CHECK_VALUE((e.stride(1) == 1 || k <= 1) && (e.stride(0) % 8 == 0 || m <= 1) &&
-                        (w.stride(1) == 1 || n <= 1) && (w.stride(0) % 8 == 0 || k <= 1) && n % 8 == 0 &&
+                        (w.stride(1) == 1 || n <= 1) && (w.stride(0) % 8 == 0 || w.size(0) <= 1) && n % 8 == 0 &&
                         reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
                     "gemm_grad_input: e and w must be contiguous along their rows, rows 16 B-aligned, n % 8 == 0");
@@ -730,6 +734,15 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
                     "gemm_grad_input: row_scale (m,) float32 and target (m,) int64 or int32 must be contiguous on "
                     "e's device");
   TORCH_CHECK_VALUE(temperature > 0 && softcap >= 0, "gemm_grad_input: temperature must be > 0 and softcap >= 0");
+  const bool carried = carry.has_value() && carry->defined();
+  const bool continued = previous_stats.has_value() && previous_stats->defined();
+  TORCH_CHECK_VALUE(!carried || rows_of(*carry, m, n), "gemm_grad_input: carry must be a contiguous (m, n) float32 "
+                    "tensor on e's device");
+  TORCH_CHECK_VALUE(!continued || rows_of(*previous_stats, 5, m), "gemm_grad_input: previous_stats must be a "
+                    "contiguous (5, m) float32 tensor on e's device");
+  TORCH_CHECK_VALUE(carried || (finish && !continued), "gemm_grad_input: a part that continues a sum (previous_stats) "
+                    "or leaves one (finish false) needs carry");
+  TORCH_CHECK_VALUE(k > 0 || !carried, "gemm_grad_input: a part of a vocabulary in parts must hold classes");
   if (m == 0 || n == 0) return;
   if (k == 0) {
     out.zero_();
@@ -744,7 +757,12 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_GRAD_INPUT_RETURNS linear_ce_gemm_grad_input(
   call.e = e.data_ptr();
   call.ld_e = m == 1 ? k : e.stride(0);
   call.w = w.data_ptr();
-  call.ld_w = k == 1 ? n : w.stride(0);
+  call.ld_w = w.size(0) == 1 ? n : w.stride(0);
+  call.first_class = first_class;
+  call.classes = w.size(0);
+  call.previous_stats = continued ? previous_stats->data_ptr<float>() : nullptr;
+  call.finish = finish;
+  call.partial = carried ? carry->data_ptr<float>() : nullptr;
   call.piece_max = piece_max.data_ptr<float>();
   call.stats = stats.data_ptr<float>();
   call.row_scale = row_scale.data_ptr<float>();

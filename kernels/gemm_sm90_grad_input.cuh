@@ -3,6 +3,8 @@
 //
 //   out[i, :] = f_i sum_{c != t_i} 2^(k[c / 64, i] - K_i) E[i, c] W[c, :]  +  g_t(i) W[t_i, :]
 //
+// over the classes of E, or (a vocabulary in parts, one launch a part, GemmGradInput) over each part's with the
+// float32 sum carried between the launches, K_i then the parts' so far, the sum moved by 2^(K before - K_i).
 // E (m, k) = 2^(u log2 e - k) dz'/dz with k the piece's exponent (piece_max), 0 at the target (gemm_sm90.cuh's
 // training form); K_i = ceil(max_i log2 e), the row's largest k; f_i = a_i 2^(K_i - lse_i log2 e), a_i = r_i (1 +
 // 2 z_loss lse_i) / T, r_i the row's scale; g_t(i) the target's gradient from -others / sum (row_passes.cu's
@@ -166,9 +168,14 @@ __device__ __forceinline__ float gi_piece_scale(float piece_exponent, float row_
   return piece_exponent == -infinity<float>() ? 0.f : exp2f(piece_exponent - row_exponent);
 }
 
-// The row's exponent: ceil(its max u log2 e), the largest of its pieces' (ceil rises with the max).
+// A max u's exponent: ceil(max log2 e). The row's, from its stats' max, is the largest of its pieces' (ceil rises
+// with the max); so is that of the parts so far (the stats they combine into) for a vocabulary in parts.
+__device__ __forceinline__ float gi_exponent(float max) {
+  return ceilf(max * kLog2e);
+}
+
 __device__ __forceinline__ float gi_row_exponent(const GemmGradInput& call, int64_t row) {
-  return ceilf(call.stats[row] * kLog2e);
+  return gi_exponent(call.stats[row]);
 }
 
 // The row's lse: its max plus log(sum exp(u - max)) (kept apart until here: a rounded lse of 60 is 4e-6 off).
@@ -292,25 +299,36 @@ __device__ __forceinline__ void gi_consume(int consumer, const GemmGradInput& ca
         }
       }
     };
-    if (unit.split > 0) {  // the parts before have added theirs: add it in
-      if (tid == 0) {
-        while (load_acquire(flag) != unit.split) {
+    if (unit.split > 0 || call.previous_stats != nullptr) {  // the parts before have added theirs: add it in
+      float carried[2] = {1.f, 1.f};  // an earlier launch's sum moved onto this part's row exponent
+      if (unit.split > 0) {
+        if (tid == 0) {
+          while (load_acquire(flag) != unit.split) {
+          }
+        }
+        named_barrier_sync(1 + consumer, 128);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = row0 + 8 * h;
+          if (row < call.m) carried[h] = gi_piece_scale(gi_exponent(call.previous_stats[row]), row_exponent[h]);
         }
       }
-      named_barrier_sync(1 + consumer, 128);
-      each_pair([&](int, int64_t row, int64_t c, float& lo, float& hi) {
+      each_pair([&](int h, int64_t row, int64_t c, float& lo, float& hi) {
         const float2 before = *reinterpret_cast<const float2*>(call.partial + row * call.n + c);
-        lo += before.x;
-        hi += before.y;
+        lo = fmaf(before.x, carried[h], lo);
+        hi = fmaf(before.y, carried[h], hi);
       });
     }
-    if (!last) {
+    if (!last || !call.finish) {  // the sum so far, for this tile's next part or the next launch's
       each_pair([&](int, int64_t row, int64_t c, float& lo, float& hi) {
         *reinterpret_cast<float2*>(call.partial + row * call.n + c) = make_float2(lo, hi);
       });
-      __threadfence();
-      named_barrier_sync(1 + consumer, 128);
-      if (tid == 0) store_release(flag, unit.split + 1);
+      if (!last) {
+        __threadfence();
+        named_barrier_sync(1 + consumer, 128);
+        if (tid == 0) store_release(flag, unit.split + 1);
+      }
       continue;
     }
     // The last part: each row's factor, and its target's term (g_t times the target's row of W).
@@ -323,7 +341,7 @@ __device__ __forceinline__ void gi_consume(int consumer, const GemmGradInput& ca
       const int64_t t = target_of(call.target, call.target_int32, row);
       const float lse = gi_lse(call, row);
       factor[h] = gi_row_factor(call, row, lse, row_exponent[h]);
-      if (t >= 0 && t < call.k) {
+      if (t >= 0 && t < call.classes) {
         g_t[h] = gi_target_gradient(call, row, lse);
         w_t[h] += t * call.ld_w;
       }

@@ -215,7 +215,10 @@ void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& cont
     tiles.units = tiles.tiles * tiles.splits;
     GemmGradInput launched = call;
     if (tiles.splits > 1) {  // the parts' float32 sum and each tile's two flags (a consumer's rows each), zeroed
-      launched.partial = static_cast<float*>(context.allocate(context.owner, size_t(call.m) * call.n * sizeof(float)));
+      if (launched.partial == nullptr) {
+        launched.partial =
+            static_cast<float*>(context.allocate(context.owner, size_t(call.m) * call.n * sizeof(float)));
+      }
       const size_t flag_bytes = size_t(2 * tiles.tiles) * sizeof(int);
       launched.flags = static_cast<int*>(context.allocate(context.owner, flag_bytes));
       cuda_check(cudaMemsetAsync(launched.flags, 0, flag_bytes, context.stream), "cudaMemsetAsync");
@@ -223,7 +226,8 @@ void gemm_grad_input_launch(const GemmGradInput& call, const LaunchContext& cont
     int64_t grid = std::min<int64_t>(blocks, tiles.units);
     if (call.max_blocks > 0) grid = std::min(grid, call.max_blocks);
     const CUtensorMap e_map = k_major_tensor_map(call.e, call.m, call.k, call.ld_e, kGiTileM, call.dtype);
-    const CUtensorMap w_map = n_major_tensor_map(call.w, call.k, call.n, call.ld_w, call.dtype);
+    const void* w_part = static_cast<const T*>(call.w) + call.first_class * call.ld_w;
+    const CUtensorMap w_map = n_major_tensor_map(w_part, call.k, call.n, call.ld_w, call.dtype);
     launch_kernel(kernel, grid, kGemmThreads, kGiSmemBytes, 1, context.device, context.stream, e_map, w_map, tiles,
                   launched);
   } else {

@@ -171,16 +171,21 @@ constexpr int64_t kGemmRowStatsTileColumns = 192;
 void gemm_row_stats_launch(const GemmCall& call, const GemmRowStats& stats, const LaunchContext& context);
 // d input from row_stats' training form (gemm_sm90_grad_input.cuh): out (m, n) = g W, g the logits'
 // gradient for a grad_output of 1 (row_passes' formula without smoothing or the entropy's term) from the
-// combined statistics, w the linear weight (k classes, n), n contiguous. The launcher sets partial and flags:
-// where the tiles fill less than a wave, K in parts summed in order through partial ((m, n) float32) and flags
-// (2 int32 zeros a tile), scratch from the LaunchContext.
+// combined statistics, w the linear weight's classes [first_class, first_class + k) (classes x n in all), n
+// contiguous. The launcher sets flags, and partial where the caller gives none: where the tiles fill less than a
+// wave, K in parts summed in order through partial ((m, n) float32) and flags (2 int32 zeros a tile), scratch
+// from the LaunchContext. A vocabulary in parts (launches in order, one partial for all): each part's sum is
+// carried in partial relative to its stats' row exponent; previous_stats (the stats before this part) moves the
+// carried sum onto this part's; only the part with `finish` writes out.
 struct GemmGradInput {
   DType dtype;
   int64_t m, n, k;
   const void* e;
   int64_t ld_e;
-  const void* w;
-  int64_t ld_w;
+  const void* w;  // the whole weight: classes rows of ld_w
+  int64_t ld_w, first_class, classes;
+  const float* previous_stats;  // (5, m), or nullptr: the first part
+  bool finish;
   const float* piece_max;      // (ceil(k / 64), m): E's exponents (GemmRowStats)
   const float* stats;          // (5, m): the rows' statistics (row_passes.cu's rows)
   const float* row_scale;      // (m)

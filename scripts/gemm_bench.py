@@ -82,7 +82,8 @@ def grad_input_times(ops, a, b, softcap: float, args) -> None:
 
     times = {name: timed_median(fn, args.runs, args.warmup) for name, fn in (
         ("form", form), ("cublas forward", cublas_forward),
-        ("grad_input", lambda: ops.grad_input(e, piece_max, b, stats, target, row_scale, 0.0, softcap, 1.0, grad, 0)),
+        ("grad_input", lambda: ops.grad_input(e, piece_max, b, 0, stats, target, row_scale, 0.0, softcap, 1.0, grad,
+                                              None, None, True, 0)),
         ("cublas backward", cublas_backward), ("mm alone", lambda: torch.mm(logits, b, out=grad)))}
     ours, theirs = times["form"] + times["grad_input"], times["cublas forward"] + times["cublas backward"]
     print(f"{'':>22} softcap {softcap:g}: training form {times['form']:.3f} ms (mm + stats {times['cublas forward']:.3f}),"

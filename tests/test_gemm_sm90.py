@@ -347,6 +347,12 @@ def training_form(ops, x, w, bias, target, softcap, temperature):
     return e, piece_max, ops.combine_row_stats(partials)
 
 
+def grad_input(ops, e, piece_max, w, stats, target, row_scale, out, first_class=0, carry=None, previous_stats=None,
+               finish=True):
+    ops.grad_input(e, piece_max, w, first_class, stats, target, row_scale, 0.0, 0.0, 1.0, out, carry, previous_stats,
+                   finish, 0)
+
+
 def float64_grad_input(logits, w, target, row_scale, softcap, temperature, z_loss):
     """d input in float64 from the (rounded) logits: row_passes.cu's gradient without smoothing, times w."""
     z = logits.double()
@@ -393,7 +399,7 @@ def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature
     close = (stats[3] - plain[3]).abs() <= 4e-6 * logit_sum_scale(logits, softcap, temperature)
     assert (close | (stats[3] == plain[3])).all(), "row 3"
     out = poisoned(m, k, torch.bfloat16)
-    ops.grad_input(e, piece_max, w, stats, target, row_scale, z_loss, softcap, temperature, out, 0)
+    ops.grad_input(e, piece_max, w, 0, stats, target, row_scale, z_loss, softcap, temperature, out, None, None, True, 0)
     assert not out.isnan().any(), "an output element was never written"
     assert (out[target == -100] == 0).all()
     truth = float64_grad_input(logits, w, target, row_scale, softcap, temperature, z_loss)
@@ -406,8 +412,8 @@ def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature
     assert our_error <= 1.5 * their_error + 1e-6 * truth.norm().item(), (our_error, their_error)
     for max_blocks in (7, 1):  # the same bits whatever the grid
         again = poisoned(m, k, torch.bfloat16)
-        ops.grad_input(e, piece_max, w, stats, target, row_scale, z_loss, softcap, temperature, again,
-                       max_blocks)
+        ops.grad_input(e, piece_max, w, 0, stats, target, row_scale, z_loss, softcap, temperature, again, None, None,
+                       True, max_blocks)
         assert torch.equal(again, out), max_blocks
 
 
@@ -424,11 +430,55 @@ def test_the_target_gradient_of_confident_rows(builds):
     e, piece_max, stats = training_form(ops, x, w, bias, target, 0.0, 1.0)
     row_scale = torch.ones(m, device="cuda")
     out = poisoned(m, k, torch.bfloat16)
-    ops.grad_input(e, piece_max, w, stats, target, row_scale, 0.0, 0.0, 1.0, out,
-                   0)
+    ops.grad_input(e, piece_max, w, 0, stats, target, row_scale, 0.0, 0.0, 1.0, out, None, None, True, 0)
     truth = float64_grad_input(torch.nn.functional.linear(x, w, bias), w, target, row_scale, 0.0, 1.0, 0.0)
     error = (out.double() - truth).norm(dim=1)
     assert (error <= 2 ** -7 * truth.norm(dim=1) + 1e-30).all(), (error / truth.norm(dim=1)).max()
+
+
+@pytest.mark.parametrize("m,n,k,parts", [(300, 1000, 256, 3), (129, 50257, 264, 2), (1024, 20000, 512, 4)])
+@pytest.mark.parametrize("case", ["plain", "first part masked", "max in the last part"])
+def test_grad_input_in_vocabulary_parts(builds, m, n, k, parts, case):
+    """A chunk's vocabulary in parts (linear_cross_entropy._gradient_form_chunk: E a part at a time, d input's float32
+    sum carried from part to part and moved onto each part's row exponent): the statistics of the whole vocabulary,
+    and d input within the whole call's error bound against float64 (1.5x the row passes'); a first part of masked
+    classes alone (its exponent -inf), or every row's max in the last part (the carried sum moved by 2^-11 and
+    more), change nothing; the same bits every run."""
+    import linear_cross_entropy
+    import row_passes
+    ops = builds[torch.bfloat16]
+    x, w = scaled_operands(m, n, k, torch.bfloat16)
+    bounds = linear_cross_entropy.form_parts(n, parts)
+    assert len(bounds) == parts
+    bias = None
+    target = targets(m, n, int32=m == 129)
+    if case == "first part masked":
+        bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        bias[:bounds[0][1]] = float("-inf")
+        target[(target >= 0) & (target < bounds[0][1])] = n - 1
+    elif case == "max in the last part":
+        bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        bias[n - 3] = 8.0
+    row_scale = torch.where(target == -100, 0.0, torch.rand(m, device="cuda") + 0.5)
+    z_loss, softcap, temperature = 1e-4, 0.0, 1.0
+    outs = []
+    for _ in range(2):
+        out = poisoned(m, k, torch.bfloat16)
+        stats = linear_cross_entropy._gradient_form_chunk(x, w, bias, target, row_scale, z_loss, softcap, temperature,
+                                                          out, parts)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias, target, softcap, temperature, 5, 0))
+    torch.testing.assert_close(stats[[0, 1, 2, 4]], plain[[0, 1, 2, 4]], rtol=2e-6, atol=2e-6 * max(1, n / 4096))
+    logits = torch.nn.functional.linear(x, w, bias)
+    truth = float64_grad_input(logits, w, target, row_scale, softcap, temperature, z_loss)
+    g = logits.clone()
+    row_passes.write_gradient(g, g, target, 0, n, row_passes.softmax_stats_of(plain), row_scale, 0.0, z_loss, softcap,
+                              temperature)
+    their_error = ((g @ w).double() - truth).norm().item()
+    our_error = (outs[0].double() - truth).norm().item()
+    assert our_error <= 1.5 * their_error + 1e-6 * truth.norm().item(), (our_error, their_error)
+    assert (outs[0][target == -100] == 0).all()
 
 
 def test_grad_input_refuses_bad_arguments(builds):
@@ -439,15 +489,23 @@ def test_grad_input_refuses_bad_arguments(builds):
     row_scale = torch.ones(64, device="cuda")
     out = torch.empty(64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="piece_max"):
-        ops.grad_input(e, piece_max, w, stats[:3].contiguous(), target, row_scale, 0.0, 0.0, 1.0, out, 0)
+        grad_input(ops, e, piece_max, w, stats[:3].contiguous(), target, row_scale, out)
     with pytest.raises(ValueError, match="piece_max"):
-        ops.grad_input(e, piece_max[1:], w, stats, target, row_scale, 0.0, 0.0, 1.0, out, 0)
+        grad_input(ops, e, piece_max[1:], w, stats, target, row_scale, out)
     with pytest.raises(ValueError, match="must be bfloat16"):
-        ops.grad_input(e, piece_max, w.half(), stats, target, row_scale, 0.0, 0.0, 1.0, out, 0)
+        grad_input(ops, e, piece_max, w.half(), stats, target, row_scale, out)
     with pytest.raises(ValueError, match="out must be"):
-        ops.grad_input(e, piece_max, w, stats, target, row_scale, 0.0, 0.0, 1.0, out[:, :32], 0)
+        grad_input(ops, e, piece_max, w, stats, target, row_scale, out[:, :32])
     with pytest.raises(ValueError, match="row_scale"):
-        ops.grad_input(e, piece_max, w, stats, target, row_scale[:5], 0.0, 0.0, 1.0, out, 0)
+        grad_input(ops, e, piece_max, w, stats, target, row_scale[:5], out)
+    with pytest.raises(ValueError, match="rows of w"):
+        grad_input(ops, e, piece_max, w, stats, target, row_scale, out, first_class=1)
+    with pytest.raises(ValueError, match="needs carry"):
+        grad_input(ops, e, piece_max, w, stats, target, row_scale, out, previous_stats=stats)
+    with pytest.raises(ValueError, match="needs carry"):
+        grad_input(ops, e, piece_max, w, stats, target, row_scale, out, finish=False)
+    with pytest.raises(ValueError, match="carry must be"):
+        grad_input(ops, e, piece_max, w, stats, target, row_scale, out, carry=torch.empty(64, 64, device="cuda").t())
     with pytest.raises(ValueError, match="e must be"):
         ops.row_stats_training(x, w, None, target, 0.0, 1.0, e[:, :299], piece_max, 0)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -457,11 +515,13 @@ def test_grad_input_refuses_bad_arguments(builds):
 @pytest.mark.parametrize("softcap,z_loss,reduction,trains", [(None, 0.0, "mean", False), (30.0, 1e-4, "sum", False),
                                                              (None, 0.0, "none", False), (None, 0.0, "mean", True),
                                                              (None, 1e-4, "none", True)])
-def test_d_input_through_the_training_form(builds, softcap, z_loss, reduction, trains, monkeypatch):
+@pytest.mark.parametrize("in_parts", [False, True])
+def test_d_input_through_the_training_form(builds, softcap, z_loss, reduction, trains, in_parts, monkeypatch):
     """linear_cross_entropy's forward that makes d input alone (a frozen head; a trained 2-byte head, whose d weight
     the backward makes from the logits again) takes the training form where gradient_form says so, and gives the
     cuBLAS chunks' loss and, row by row, their d input to bfloat16's rounding of the gradient (operands on a grid of
-    1/4: both products' logits are exact); a trained head's d weight, from each path's statistics, the same."""
+    1/4: both products' logits are exact); a trained head's d weight, from each path's statistics, the same. In
+    parts: a smaller budget (ROW_CHUNK_BYTES) cuts the vocabulary into parts."""
     import linear_cross_entropy
     import losses
     m, n, k = 700, 50257, 24
@@ -476,10 +536,12 @@ def test_d_input_through_the_training_form(builds, softcap, z_loss, reduction, t
     assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.1)
     assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6)
     assert not linear_cross_entropy.gradient_form(x.half(), w.half(), None, (True, False, False), 0.0)
+    if in_parts:
+        monkeypatch.setattr(linear_cross_entropy, "ROW_CHUNK_BYTES", 1 << 24)
     form_chunks = []
     chunk = linear_cross_entropy._gradient_form_chunk
     monkeypatch.setattr(linear_cross_entropy, "_gradient_form_chunk",
-                        lambda *arguments: form_chunks.append(1) or chunk(*arguments))
+                        lambda *arguments: form_chunks.append(arguments[-1]) or chunk(*arguments))
 
     def run():
         x.grad = w.grad = None
@@ -488,7 +550,7 @@ def test_d_input_through_the_training_form(builds, softcap, z_loss, reduction, t
         return loss.detach().float(), x.grad.float(), None if w.grad is None else w.grad.float()
 
     fused = run()
-    assert form_chunks
+    assert form_chunks and (max(form_chunks) > 1) == in_parts, form_chunks
     monkeypatch.setattr(linear_cross_entropy, "gradient_form", lambda *arguments: False)
     chunks = run()
     torch.testing.assert_close(fused[0], chunks[0], rtol=1e-5, atol=1e-5)
