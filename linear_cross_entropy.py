@@ -176,17 +176,23 @@ def gradient_form(x, weight, bias, wants, label_smoothing: float, stat_rows: int
 
 
 # At least FORM_ROWS rows a chunk where gradient_form: fewer make d input's product skinny (H200, frozen Llama 3
-# 8192 x 4096 x 128256: 896 rows 27.9 ms, 1024 in 2 parts 26.5; Gemma 2: 384 rows 33.6, 1024 in 3 parts 32.0;
+# 8192 x 4096 x 128256: 896 rows 27.9 ms, 1024 in 2 parts 26.8; Gemma 2: 384 rows 34.8, 1024 in 3 parts 33.3;
 # notes v70). Their bytes stay within the budget by a vocabulary in parts (form_parts).
 FORM_ROWS = 1024
 FORM_PART_ALIGN = 192  # a vocabulary part's classes: whole tiles of row_stats' (kGemmRowStatsTileColumns)
+
+
+def _part_width(vocab: int, parts: int) -> int:
+    """The classes of each of form_parts' parts but the last: whole FORM_PART_ALIGN tiles."""
+    share = -(-vocab // parts)
+    return min(-(-share // FORM_PART_ALIGN) * FORM_PART_ALIGN, vocab)
 
 
 def _form_bytes(rows: int, vocab: int, hidden: int, parts: int) -> int:
     """A gradient-form chunk's bytes: a part's E and its pieces' exponents, with its statistics' partials and d
     input's float32 sum (in the partials' memory after them where the vocabulary is whole; carried beside them
     from part to part)."""
-    width = -(-vocab // parts)
+    width = _part_width(vocab, parts)
     partials, carry = 4 * 5 * -(-width // FORM_PART_ALIGN), 4 * hidden
     return rows * (2 * (-(-width // 8) * 8) + 4 * -(-width // 64) +
                    (max(partials, carry) if parts == 1 else partials + carry))
@@ -212,9 +218,8 @@ def form_parts_for(rows: int, vocab: int, hidden: int) -> int:
 
 
 def form_parts(vocab: int, parts: int) -> list:
-    """[(first, end), ...]: the vocabulary in `parts` parts of whole FORM_PART_ALIGN tiles (the last the rest)."""
-    width = -(-vocab // parts)
-    width = -(-width // FORM_PART_ALIGN) * FORM_PART_ALIGN
+    """[(first, end), ...]: the vocabulary in at most `parts` parts of _part_width classes (the last the rest)."""
+    width = _part_width(vocab, parts)
     return [(first, min(first + width, vocab)) for first in range(0, vocab, width)]
 
 
@@ -232,7 +237,7 @@ def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, soft
     carry = torch.empty(x.shape, dtype=torch.float32, device=x.device) if len(bounds) > 1 else None
     stats = None
     for first, end in bounds:
-        e, piece_max = e_rows[:, :end - first], piece_rows[:-(-(end - first) // 64)]
+        e, piece_max = e_rows[:, :end - first], piece_rows[:-(-(end - first) // 64)]  # the part's columns, pieces
         part_stats = ops.combine_row_stats(ops.row_stats_training(
             x, weight[first:end], None if bias is None else bias[first:end].contiguous(),
             target - first if first else target, float(softcap), float(temperature), e, piece_max, 0))

@@ -118,6 +118,26 @@ def test_the_schedule_follows_the_wanted_gradients_and_their_dtype():
                   float32_weight_sum=True) == "classes"
 
 
+@pytest.mark.parametrize("vocab,hidden", [(128256, 4096), (256000, 2304), (50304, 1024), (1000, 64), (193, 8)])
+def test_the_gradient_forms_chunks_tile_the_vocabulary_within_the_budget(vocab, hidden):
+    """Rows a chunk where gradient_form: at least FORM_ROWS, whole tiles; its vocabulary in the fewest parts whose
+    bytes fit the budget, which tile it without gaps in whole row_stats tiles."""
+    lce = linear_cross_entropy
+    budget = lce.row_chunk_rows(vocab, 2) * vocab * 2
+    rows = lce.gradient_form_rows(vocab, hidden)
+    assert rows >= lce.FORM_ROWS and rows % lce.ROW_ALIGN == 0
+    for chunk in (rows, 700, 1):
+        parts = lce.form_parts_for(chunk, vocab, hidden)
+        bounds = lce.form_parts(vocab, parts)
+        assert bounds[0][0] == 0 and bounds[-1][1] == vocab and len(bounds) <= parts
+        assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))
+        assert all((end - first) % lce.FORM_PART_ALIGN == 0 for first, end in bounds[:-1])
+        assert lce._form_bytes(chunk, vocab, hidden, parts) <= budget or len(bounds) == -(-vocab // lce.FORM_PART_ALIGN)
+        assert parts == 1 or lce._form_bytes(chunk, vocab, hidden, parts - 1) > budget  # the fewest
+    if (vocab, hidden) in ((128256, 4096), (256000, 2304)):  # Llama 3's and Gemma 2's, as measured (notes v70)
+        assert (rows, lce.form_parts_for(rows, vocab, hidden)) == (1024, 2 if vocab == 128256 else 3)
+
+
 @pytest.mark.parametrize("grad_of", GRADS_OF.values(), ids=GRADS_OF)
 @pytest.mark.parametrize("divisor", [7, torch.tensor(7.0), torch.tensor(7)], ids=["int", "float tensor", "int tensor"])
 def test_divisor_divides_the_sum(divisor, grad_of, small_chunks):
