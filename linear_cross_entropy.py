@@ -198,19 +198,21 @@ def _form_bytes(rows: int, vocab: int, hidden: int, parts: int) -> int:
                    (max(partials, carry) if parts == 1 else partials + carry))
 
 
+def _form_budget(vocab: int) -> int:
+    """A gradient-form chunk's bytes at most: the logits a cuBLAS chunk of row_chunk_rows holds."""
+    return row_chunk_rows(vocab, 2) * vocab * 2
+
+
 def gradient_form_rows(vocab: int, hidden: int) -> int:
     """Rows a chunk where gradient_form: as many whole ROW_ALIGN tiles as keep its bytes (_form_bytes, the vocabulary
-    whole) within the logits a cuBLAS chunk of row_chunk_rows holds, and at least FORM_ROWS (form_parts_for then
-    cuts the vocabulary into parts)."""
-    budget = row_chunk_rows(vocab, 2) * vocab * 2
-    rows = budget // _form_bytes(1, vocab, hidden, 1) // ROW_ALIGN * ROW_ALIGN
+    whole) within _form_budget, and at least FORM_ROWS (form_parts_for then cuts the vocabulary into parts)."""
+    rows = _form_budget(vocab) // _form_bytes(1, vocab, hidden, 1) // ROW_ALIGN * ROW_ALIGN
     return max(rows, FORM_ROWS)
 
 
 def form_parts_for(rows: int, vocab: int, hidden: int) -> int:
-    """The fewest vocabulary parts whose bytes (_form_bytes) a chunk of `rows` keeps within gradient_form_rows'
-    budget."""
-    budget = row_chunk_rows(vocab, 2) * vocab * 2
+    """The fewest vocabulary parts whose bytes (_form_bytes) a chunk of `rows` keeps within _form_budget."""
+    budget = _form_budget(vocab)
     parts = 1
     while parts * FORM_PART_ALIGN < vocab and _form_bytes(rows, vocab, hidden, parts) > budget:
         parts += 1
