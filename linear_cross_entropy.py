@@ -167,12 +167,12 @@ def gradient_form(x, weight, bias, wants, label_smoothing: float, stat_rows: int
     row_stats_training writes the logits' gradient form, E, with the statistics; grad_input multiplies it by the
     weight, scaling each row and 64 classes as it reads them: no pass over the chunk), or by cuBLAS and the row
     passes. The form takes the fused product (fused_product), bfloat16 (float16 gradients wait for their loss
-    scale), and no label smoothing or entropy (their terms are not a row's multiple of E; the entropy's sum carried
-    in the form measured no faster, notes v63). H200, power-capped: Gemma 2's frozen step 7% faster, Llama 3's the
-    same; a 2-byte d weight's step the same at Llama 3 (8k, 16k), 9% faster at 8192 x 1024 x 50304; less memory
-    (notes v61, v62, v65)."""
-    return (tuple(wants) == (True, False, False) and x.dtype == torch.bfloat16
-            and not label_smoothing and stat_rows == row_passes.STAT_ROWS and fused_product(x, weight, bias))
+    scale), and no label smoothing (its term is not a row's multiple of E); the entropy's sum rides along (stat_rows
+    6: linear_log_probs' return_entropy, without its gradient). H200, power-capped: Gemma 2's frozen step 7% faster,
+    Llama 3's the same; a 2-byte d weight's step the same at Llama 3 (8k, 16k), 9% faster at 8192 x 1024 x 50304;
+    less memory (notes v61, v62, v65, v71)."""
+    return (tuple(wants) == (True, False, False) and x.dtype == torch.bfloat16 and not label_smoothing
+            and fused_product(x, weight, bias))
 
 
 # At least FORM_ROWS rows a chunk where gradient_form: fewer make d input's product skinny (H200, frozen Llama 3
@@ -188,12 +188,12 @@ def _part_width(vocab: int, parts: int) -> int:
     return min(-(-share // FORM_PART_ALIGN) * FORM_PART_ALIGN, vocab)
 
 
-def _form_bytes(rows: int, vocab: int, hidden: int, parts: int) -> int:
+def _form_bytes(rows: int, vocab: int, hidden: int, parts: int, stat_rows: int = row_passes.STAT_ROWS) -> int:
     """A gradient-form chunk's bytes: a part's E and its pieces' exponents, with its statistics' partials and d
     input's float32 sum (in the partials' memory after them where the vocabulary is whole; carried beside them
     from part to part)."""
     width = _part_width(vocab, parts)
-    partials, carry = 4 * 5 * -(-width // FORM_PART_ALIGN), 4 * hidden
+    partials, carry = 4 * stat_rows * -(-width // FORM_PART_ALIGN), 4 * hidden
     return rows * (2 * (-(-width // 8) * 8) + 4 * -(-width // 64) +
                    (max(partials, carry) if parts == 1 else partials + carry))
 
@@ -203,18 +203,18 @@ def _form_budget(vocab: int) -> int:
     return row_chunk_rows(vocab, 2) * vocab * 2
 
 
-def gradient_form_rows(vocab: int, hidden: int) -> int:
+def gradient_form_rows(vocab: int, hidden: int, stat_rows: int = row_passes.STAT_ROWS) -> int:
     """Rows a chunk where gradient_form: as many whole ROW_ALIGN tiles as keep its bytes (_form_bytes, the vocabulary
     whole) within _form_budget, and at least FORM_ROWS (form_parts_for then cuts the vocabulary into parts)."""
-    rows = _form_budget(vocab) // _form_bytes(1, vocab, hidden, 1) // ROW_ALIGN * ROW_ALIGN
+    rows = _form_budget(vocab) // _form_bytes(1, vocab, hidden, 1, stat_rows) // ROW_ALIGN * ROW_ALIGN
     return max(rows, FORM_ROWS)
 
 
-def form_parts_for(rows: int, vocab: int, hidden: int) -> int:
+def form_parts_for(rows: int, vocab: int, hidden: int, stat_rows: int = row_passes.STAT_ROWS) -> int:
     """The fewest vocabulary parts whose bytes (_form_bytes) a chunk of `rows` keeps within _form_budget."""
     budget = _form_budget(vocab)
     parts = 1
-    while parts * FORM_PART_ALIGN < vocab and _form_bytes(rows, vocab, hidden, parts) > budget:
+    while parts * FORM_PART_ALIGN < vocab and _form_bytes(rows, vocab, hidden, parts, stat_rows) > budget:
         parts += 1
     return parts
 
@@ -226,10 +226,10 @@ def form_parts(vocab: int, parts: int) -> list:
 
 
 def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, softcap: float, temperature: float,
-                         grad_x, parts: int = 1):
-    """A chunk of rows by the gradient form (gradient_form): its statistics (5, rows) returned, its d input for a
-    grad_output of 1 written into grad_x. The vocabulary in `parts` (form_parts): each part's E in turn, d input's
-    float32 sum carried from part to part (grad_input), the statistics combined as they come."""
+                         grad_x, parts: int = 1, stat_rows: int = row_passes.STAT_ROWS):
+    """A chunk of rows by the gradient form (gradient_form): its statistics (stat_rows, rows) returned, its d input
+    for a grad_output of 1 written into grad_x. The vocabulary in `parts` (form_parts): each part's E in turn, d
+    input's float32 sum carried from part to part (grad_input), the statistics combined as they come."""
     ops = helpers.kernel_ops("linear_ce_gemm", x)
     rows, vocab = x.shape[0], weight.shape[0]
     bounds = form_parts(vocab, parts)
@@ -242,11 +242,11 @@ def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, soft
         e, piece_max = e_rows[:, :end - first], piece_rows[:-(-(end - first) // 64)]  # the part's columns, pieces
         part_stats = ops.combine_row_stats(ops.row_stats_training(
             x, weight[first:end], None if bias is None else bias[first:end].contiguous(),
-            target - first if first else target, float(softcap), float(temperature), e, piece_max, 0))
+            target - first if first else target, float(softcap), float(temperature), stat_rows, e, piece_max, 0))
         previous, stats = stats, (part_stats if stats is None else
                                   ops.combine_row_stats(torch.stack((stats, part_stats))))  # as tiles of the row
-        ops.grad_input(e, piece_max, weight, first, stats, target, row_scale, float(z_loss), float(softcap),
-                       float(temperature), grad_x, carry, previous, end == vocab, 0)
+        ops.grad_input(e, piece_max, weight, first, stats[:5], target, row_scale, float(z_loss), float(softcap),
+                       float(temperature), grad_x, carry, None if previous is None else previous[:5], end == vocab, 0)
     return stats
 
 
@@ -337,15 +337,16 @@ def rows_in_forward(x, weight, bias, target, row_scale, label_smoothing: float, 
     grad_w = (torch.empty if rows else torch.zeros)(weight.shape, dtype=acc, device=x.device) if wants[1] else None
     grad_b = torch.zeros(vocab, dtype=acc, device=x.device) if wants[2] else None
     form = gradient_form(x, weight, bias, wants, label_smoothing, stat_rows)
-    height = chunk_rows or (gradient_form_rows(vocab, x.shape[1]) if form else
+    height = chunk_rows or (gradient_form_rows(vocab, x.shape[1], stat_rows) if form else
                             row_chunk_rows(vocab, x.element_size(), wants[1]))
     for first in range(0, rows, height):
         end = min(first + height, rows)
         if form:
             stats[:, first:end] = _gradient_form_chunk(x[first:end], weight, bias, target[first:end],
                                                        row_scale[first:end], z_loss, softcap, temperature,
-                                                       grad_x[first:end], form_parts_for(end - first, vocab,
-                                                                                         x.shape[1]))
+                                                       grad_x[first:end],
+                                                       form_parts_for(end - first, vocab, x.shape[1], stat_rows),
+                                                       stat_rows)
             continue
         z, t = F.linear(x[first:end], weight, bias), target[first:end]
         chunk_stats = row_passes.new_stats(end - first, x.dtype, x.device, stat_rows)  # contiguous, for the kernels

@@ -83,7 +83,7 @@ KERNEL_OPS = {
                       "int stat_rows, int max_blocks) -> Tensor"),
         "combine_row_stats": "(Tensor partials) -> Tensor",
         "row_stats_training": ("(Tensor a, Tensor b, Tensor? bias, Tensor target, float softcap, float temperature, "
-                               "Tensor(a!) e, Tensor(b!) piece_max, int max_blocks) -> Tensor"),
+                               "int stat_rows, Tensor(a!) e, Tensor(b!) piece_max, int max_blocks) -> Tensor"),
         "grad_input": ("(Tensor e, Tensor piece_max, Tensor w, int first_class, Tensor stats, Tensor target, "
                        "Tensor row_scale, float z_loss, float softcap, float temperature, Tensor(a!) out, "
                        "Tensor(b!)? carry, Tensor? previous_stats, bool finish, int max_blocks) -> ()"),

@@ -669,15 +669,15 @@ inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_RETURNS linear_ce_gemm_row_stats(FU
   return partials;
 }
 
-// row_stats (5 rows) and the training form d input's product reads (gemm_grad_input): e (m, n) bfloat16, rows
-// 16 B-aligned (its row stride a multiple of 8), E = exp(u - the piece's max) dz'/dz, 0 at the target; piece_max
-// (ceil(n / 64), m) float32.
+// row_stats (stat_rows 5 or 6) and the training form d input's product reads (gemm_grad_input): e (m, n) bfloat16,
+// rows 16 B-aligned (its row stride a multiple of 8), E = 2^(u log2 e - k) dz'/dz, 0 at the target; piece_max
+// (ceil(n / 64), m) float32, each 64 classes' k.
 inline FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_RETURNS linear_ce_gemm_row_stats_training(
     FUSED_LOSSES_LINEAR_CE_GEMM_ROW_STATS_TRAINING_PARAMS) {
   GemmCall call = gemm_call(a, b, max_blocks);
   TORCH_CHECK_VALUE(a.scalar_type() == at::kBFloat16, "gemm_row_stats_training: a and b must be bfloat16");
   at::Tensor partials;
-  GemmRowStats stats = row_stats_arguments(call, a, bias, target, softcap, temperature, 5, partials);
+  GemmRowStats stats = row_stats_arguments(call, a, bias, target, softcap, temperature, stat_rows, partials);
   TORCH_CHECK_VALUE(e.device() == a.device() && e.dim() == 2 && e.size(0) == call.m && e.size(1) == call.n &&
                         e.scalar_type() == a.scalar_type() && (e.stride(1) == 1 || call.n <= 1) &&
                         (e.stride(0) % 8 == 0 || call.m <= 1) && reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0,

@@ -581,13 +581,15 @@ struct FormPieceSums {
   float target_f = 0.f;  // the target's f
   float target_x = 0.f;  // the target's x
   float x_sum = 0.f;     // x over the classes
+  float spread = 0.f;    // with the entropy: f (x - the piece's max x) over the classes, the target's too
 };
 
 // One chunk of 8 staged values in place: E's pairs written over the logits'. kChecked: some columns may be past
-// the classes (from `valid` on: E 0, left out) or the target's (t: E 0, its f and x apart).
-template <typename T, bool kCapped, bool kChecked>
+// the classes (from `valid` on: E 0, left out) or the target's (t: E 0, its f and x apart). kEntropy: the
+// entropy's sum too (x_max: the piece's max x).
+template <typename T, bool kCapped, bool kChecked, bool kEntropy>
 __device__ __forceinline__ void form_chunk(uint32_t (&words)[4], const Softcap<T>& softcap, float x_to_log2,
-                                           float minus_k, int valid, int t, FormPieceSums& sums) {
+                                           float minus_k, float x_max, int valid, int t, FormPieceSums& sums) {
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     float z[2], e[2];
@@ -603,7 +605,10 @@ __device__ __forceinline__ void form_chunk(uint32_t (&words)[4], const Softcap<T
         slope_4 = fmaf(-q, q, q);
       }
       float f = exp2_flush_subnormal(fmaf(x, x_to_log2, minus_k));
-      if (kChecked && col >= valid) f = x = 0.f;
+      float distance = x - x_max;  // past the classes, x_max may be -inf
+      if (kChecked && col >= valid) f = x = distance = 0.f;
+      // A masked class (x = -inf, f = 0) adds 0, not 0 x -inf: the distance is held finite.
+      if constexpr (kEntropy) sums.spread = fmaf(f, fmaxf(distance, -3e38f), sums.spread);
       if (kChecked && col == t) {
         sums.target_f = f;
         sums.target_x = x;
@@ -614,6 +619,24 @@ __device__ __forceinline__ void form_chunk(uint32_t (&words)[4], const Softcap<T
       e[h] = kCapped ? f * slope_4 : f;
     }
     words[w] = pack_pair<T>(e[0], e[1]);
+  }
+}
+
+// form_chunk's copy for a softcap or none, checked or not.
+template <typename T, bool kEntropy>
+__device__ __forceinline__ void form_chunk_of(bool capped, bool checked, uint32_t (&words)[4],
+                                              const Softcap<T>& softcap, float x_to_log2, float minus_k, float x_max,
+                                              int valid, int t, FormPieceSums& sums) {
+  if (capped) {
+    if (checked) {
+      form_chunk<T, true, true, kEntropy>(words, softcap, x_to_log2, minus_k, x_max, valid, t, sums);
+    } else {
+      form_chunk<T, true, false, kEntropy>(words, softcap, x_to_log2, minus_k, x_max, valid, t, sums);
+    }
+  } else if (checked) {
+    form_chunk<T, false, true, kEntropy>(words, softcap, x_to_log2, minus_k, x_max, valid, t, sums);
+  } else {
+    form_chunk<T, false, false, kEntropy>(words, softcap, x_to_log2, minus_k, x_max, valid, t, sums);
   }
 }
 
@@ -640,6 +663,7 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
   const bool row_ok = row < tiles.m;
   const Softcap<T> softcap(out.softcap, out.softcap_inverse);
   const bool capped = out.softcap != 0.f;
+  const bool entropy = out.stat_rows == 6;
   const float s = out.inverse_temperature;
   const float x_to_u = capped ? out.softcap * s : s;  // u = x_to_u x (as Softcap::apply, then s, up to a rounding)
   const float x_to_log2 = x_to_u * kLog2e;
@@ -682,9 +706,16 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
       }
     }
     raw_max = max_acc(raw_max, __shfl_xor_sync(0xffffffffu, raw_max, 1));
-    const float piece_max = raw_max == -infinity<float>() ? raw_max : softcap.apply(raw_max) * s;
+    // With a softcap even masked classes (-inf) have u = -cap / T, as row_stats and torch count them.
+    const float piece_max = softcap.apply(raw_max) * s;
+    float x_max = raw_max;  // the entropy's reference: x of the piece's max (its softcap's MUFUs only if wanted)
+    if (entropy && capped) {
+      const float y_max = softcap.y_of(raw_max);
+      x_max = softcap.tanh_of(y_max, softcap.q_of(y_max));
+    }
     // E is written relative to 2^exponent, exponent = ceil(max log2 e): d input's product then scales a piece by
-    // an exact power of two (gemm_sm90_grad_input.cuh). A piece of masked classes only: exponent -inf, E 0.
+    // an exact power of two (gemm_sm90_grad_input.cuh). A piece of masked classes only (no softcap): exponent
+    // -inf, E 0.
     const float exponent = piece_max == -infinity<float>() ? piece_max : ceilf(piece_max * kLog2e);
     const float k_f = piece_max == -infinity<float>() ? 0.f : exponent - (capped ? 2.f : 0.f);  // k'
     FormPieceSums sums;
@@ -695,16 +726,10 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
       uint32_t words[4] = {value.x, value.y, value.z, value.w};
       const int valid = lane_valid - 8 * i;
       const bool checked = valid < 8 || (t >= 0 && t < 8);
-      if (capped) {
-        if (checked) {
-          form_chunk<T, true, true>(words, softcap, x_to_log2, -k_f, valid, t, sums);
-        } else {
-          form_chunk<T, true, false>(words, softcap, x_to_log2, -k_f, valid, t, sums);
-        }
-      } else if (checked) {
-        form_chunk<T, false, true>(words, softcap, x_to_log2, -k_f, valid, t, sums);
+      if (entropy) {
+        form_chunk_of<T, true>(capped, checked, words, softcap, x_to_log2, -k_f, x_max, valid, t, sums);
       } else {
-        form_chunk<T, false, false>(words, softcap, x_to_log2, -k_f, valid, t, sums);
+        form_chunk_of<T, false>(capped, checked, words, softcap, x_to_log2, -k_f, x_max, valid, t, sums);
       }
       value = make_uint4(words[0], words[1], words[2], words[3]);
     }
@@ -713,11 +738,11 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
     const bool has_target = target >= lane_col && target < lane_col + 8 * kChunks;
     const float target_u = capped ? static_cast<float>(out.softcap * sums.target_x) * s : sums.target_x * s;
     TileStatsPart part{piece_max, (sums.others + sums.target_f) * to_max, has_target ? target_u : 0.f,
-                       sums.x_sum * x_to_u, sums.others * to_max, 0.f};
+                       sums.x_sum * x_to_u, sums.others * to_max, sums.spread * x_to_u * to_max};
     const float max = max_acc(stats.max, piece_max);
     TileStatsPart total{max, 0.f, 0.f, 0.f, 0.f, 0.f};
-    add_part_at(total, stats, max, false);
-    add_part_at(total, part, max, false);
+    add_part_at(total, stats, max, entropy);
+    add_part_at(total, part, max, entropy);
     stats = total;
     __syncwarp();
     gemm_store_staged_piece<T>(staging, static_cast<T*>(out.e), e_tiles, row0, col0 + piece_col);
@@ -726,7 +751,7 @@ __device__ __forceinline__ void gemm_row_stats_e_warp_rows(const float (&d)[kCol
     }
     __syncwarp();  // the buffer's reads are done before the next piece overwrites it
   }
-  gemm_write_row_partials(stats, out, tiles, row, row_ok && half == 0, tile_n, false);
+  gemm_write_row_partials(stats, out, tiles, row, row_ok && half == 0, tile_n, entropy);
 }
 
 #endif  // FUSED_LOSSES_GEMM_SM90A

@@ -66,7 +66,7 @@ def grad_input_times(ops, a, b, softcap: float, args) -> None:
     logits = torch.empty(m, n, device="cuda", dtype=a.dtype)
 
     def form():
-        return ops.combine_row_stats(ops.row_stats_training(x, b, None, target, softcap, 1.0, e, piece_max, 0))
+        return ops.combine_row_stats(ops.row_stats_training(x, b, None, target, softcap, 1.0, 5, e, piece_max, 0))
 
     stats = form()
     softmax_stats = row_passes.softmax_stats_of(stats)  # the row passes'

@@ -338,12 +338,12 @@ def test_rows_that_overlap_take_the_cublas_chunks():
 # The training form (row_stats_training: E = exp(u - each 64 classes' max) dz'/dz, 0 at the target) and
 # grad_input (d input = g W from E, scaled a row and 64 classes at a time as the product reads it).
 
-def training_form(ops, x, w, bias, target, softcap, temperature):
-    """(E, piece_max, stats (5, m)) of x @ w.T (+ bias)."""
+def training_form(ops, x, w, bias, target, softcap, temperature, stat_rows=5):
+    """(E, piece_max, stats (stat_rows, m)) of x @ w.T (+ bias)."""
     m, n = x.shape[0], w.shape[0]
     e = torch.full((m, -(-n // 8) * 8), float("nan"), device="cuda", dtype=x.dtype)[:, :n]
     piece_max = torch.full((-(-n // 64), m), float("nan"), device="cuda")
-    partials = ops.row_stats_training(x, w, bias, target, softcap, temperature, e, piece_max, 0)
+    partials = ops.row_stats_training(x, w, bias, target, softcap, temperature, stat_rows, e, piece_max, 0)
     return e, piece_max, ops.combine_row_stats(partials)
 
 
@@ -374,11 +374,12 @@ def scaled_operands(m, n, k, dtype):
 
 
 @pytest.mark.parametrize("m,n,k", [(300, 1000, 256), (129, 50257, 264), (1024, 32000, 512), (513, 4077, 2304)])
-@pytest.mark.parametrize("softcap,temperature,z_loss,bias", [(0.0, 1.0, 0.0, False), (30.0, 0.7, 1e-4, True)])
-def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature, z_loss, bias):
-    """The statistics are row_stats' (5 rows); d input's error against float64 (of the same rounded logits) within
-    1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes (-inf bias, whole
-    pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
+@pytest.mark.parametrize("softcap,temperature,z_loss,bias,stat_rows", [
+    (0.0, 1.0, 0.0, False, 5), (30.0, 0.7, 1e-4, True, 5), (0.0, 0.7, 0.0, True, 6), (30.0, 1.0, 0.0, False, 6)])
+def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature, z_loss, bias, stat_rows):
+    """The statistics are row_stats' (5 rows, or 6 with the entropy's); d input's error against float64 (of the same
+    rounded logits) within 1.5x of the row passes' (the gradient rounded to bfloat16, then torch.mm); masked classes
+    (-inf bias, whole pieces of 64 among them) add nothing; ignored rows get exact zeros. The shapes cover one K part and several
     (the tiles filling less than a wave: 16 parts for 129 x 264, 8 for 1024 x 512), ragged M, N and K."""
     import row_passes
     ops = builds[torch.bfloat16]
@@ -391,14 +392,15 @@ def test_grad_input_from_the_training_form(builds, m, n, k, softcap, temperature
     if bias:
         target[(target >= 64) & (target < 200)] = 3  # no masked target
     row_scale = torch.where(target == -100, 0.0, torch.rand(m, device="cuda") + 0.5)
-    e, piece_max, stats = training_form(ops, x, w, bias_, target, softcap, temperature)
-    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias_, target, softcap, temperature, 5, 0))
+    e, piece_max, stats = training_form(ops, x, w, bias_, target, softcap, temperature, stat_rows)
+    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias_, target, softcap, temperature, stat_rows, 0))
     logits = torch.nn.functional.linear(x, w, bias_)
-    others = [0, 1, 2, 4]  # row 3's signed sum on each row's sum |u| (logit_sum_scale)
+    others = [0, 1, 2, 4, 5][:stat_rows - 1]  # row 3's signed sum on each row's sum |u| (logit_sum_scale)
     torch.testing.assert_close(stats[others], plain[others], rtol=2e-6, atol=2e-6 * max(1, n / 4096))
     close = (stats[3] - plain[3]).abs() <= 4e-6 * logit_sum_scale(logits, softcap, temperature)
     assert (close | (stats[3] == plain[3])).all(), "row 3"
     out = poisoned(m, k, torch.bfloat16)
+    stats = stats[:5]  # grad_input's
     ops.grad_input(e, piece_max, w, 0, stats, target, row_scale, z_loss, softcap, temperature, out, None, None, True, 0)
     assert not out.isnan().any(), "an output element was never written"
     assert (out[target == -100] == 0).all()
@@ -437,13 +439,13 @@ def test_the_target_gradient_of_confident_rows(builds):
 
 
 @pytest.mark.parametrize("m,n,k,parts", [(300, 1000, 256, 3), (129, 50257, 264, 2), (1024, 20000, 512, 4)])
-@pytest.mark.parametrize("case", ["plain", "first part masked", "max in the last part"])
+@pytest.mark.parametrize("case", ["plain", "first part masked", "max in the last part", "entropy"])
 def test_grad_input_in_vocabulary_parts(builds, m, n, k, parts, case):
     """A chunk's vocabulary in parts (linear_cross_entropy._gradient_form_chunk: E a part at a time, d input's float32
     sum carried from part to part and moved onto each part's row exponent): the statistics of the whole vocabulary,
     and d input within the whole call's error bound against float64 (1.5x the row passes'); a first part of masked
     classes alone (its exponent -inf), or every row's max in the last part (the carried sum moved by 2^-11 and
-    more), change nothing; the same bits every run."""
+    more), change nothing; the entropy's sum (stat_rows 6) combines as row_stats' does; the same bits every run."""
     import linear_cross_entropy
     import row_passes
     ops = builds[torch.bfloat16]
@@ -461,15 +463,17 @@ def test_grad_input_in_vocabulary_parts(builds, m, n, k, parts, case):
         bias[n - 3] = 8.0
     row_scale = torch.where(target == -100, 0.0, torch.rand(m, device="cuda") + 0.5)
     z_loss, softcap, temperature = 1e-4, 0.0, 1.0
+    stat_rows = 6 if case == "entropy" else 5
     outs = []
     for _ in range(2):
         out = poisoned(m, k, torch.bfloat16)
         stats = linear_cross_entropy._gradient_form_chunk(x, w, bias, target, row_scale, z_loss, softcap, temperature,
-                                                          out, parts)
+                                                          out, parts, stat_rows)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias, target, softcap, temperature, 5, 0))
-    torch.testing.assert_close(stats[[0, 1, 2, 4]], plain[[0, 1, 2, 4]], rtol=2e-6, atol=2e-6 * max(1, n / 4096))
+    plain = row_passes.combine_tiles(ops.row_stats(x, w, bias, target, softcap, temperature, stat_rows, 0))
+    rows = [0, 1, 2, 4, 5][:stat_rows - 1]
+    torch.testing.assert_close(stats[rows], plain[rows], rtol=2e-6, atol=2e-6 * max(1, n / 4096))
     logits = torch.nn.functional.linear(x, w, bias)
     truth = float64_grad_input(logits, w, target, row_scale, softcap, temperature, z_loss)
     g = logits.clone()
@@ -507,9 +511,9 @@ def test_grad_input_refuses_bad_arguments(builds):
     with pytest.raises(ValueError, match="carry must be"):
         grad_input(ops, e, piece_max, w, stats, target, row_scale, out, carry=torch.empty(64, 64, device="cuda").t())
     with pytest.raises(ValueError, match="e must be"):
-        ops.row_stats_training(x, w, None, target, 0.0, 1.0, e[:, :299], piece_max, 0)
+        ops.row_stats_training(x, w, None, target, 0.0, 1.0, 5, e[:, :299], piece_max, 0)
     with pytest.raises(ValueError, match="bfloat16"):
-        ops.row_stats_training(x.half(), w.half(), None, target, 0.0, 1.0, e, piece_max, 0)
+        ops.row_stats_training(x.half(), w.half(), None, target, 0.0, 1.0, 5, e, piece_max, 0)
 
 
 @pytest.mark.parametrize("softcap,z_loss,reduction,trains", [(None, 0.0, "mean", False), (30.0, 1e-4, "sum", False),
@@ -531,17 +535,17 @@ def test_d_input_through_the_training_form(builds, softcap, z_loss, reduction, t
     target = targets(m, n)
     weights = torch.rand(m, device="cuda") + 0.5
     assert linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0)
-    # Not where the forward sums d weight (a float32 one), nor with smoothing or the entropy, nor for float16.
+    assert linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6)  # the entropy's sum too
+    # Not where the forward sums d weight (a float32 one), nor with smoothing, nor for float16.
     assert not linear_cross_entropy.gradient_form(x, w, None, (True, True, False), 0.0)
     assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.1)
-    assert not linear_cross_entropy.gradient_form(x, w, None, (True, False, False), 0.0, 6)
     assert not linear_cross_entropy.gradient_form(x.half(), w.half(), None, (True, False, False), 0.0)
     if in_parts:
         monkeypatch.setattr(linear_cross_entropy, "ROW_CHUNK_BYTES", 1 << 24)
     form_chunks = []
     chunk = linear_cross_entropy._gradient_form_chunk
     monkeypatch.setattr(linear_cross_entropy, "_gradient_form_chunk",
-                        lambda *arguments: form_chunks.append(arguments[-1]) or chunk(*arguments))
+                        lambda *arguments: form_chunks.append(arguments[9]) or chunk(*arguments))  # parts
 
     def run():
         x.grad = w.grad = None
