@@ -245,8 +245,9 @@ def _gradient_form_chunk(x, weight, bias, target, row_scale, z_loss: float, soft
             target - first if first else target, float(softcap), float(temperature), stat_rows, e, piece_max, 0))
         previous, stats = stats, (part_stats if stats is None else
                                   ops.combine_row_stats(torch.stack((stats, part_stats))))  # as tiles of the row
-        ops.grad_input(e, piece_max, weight, first, stats[:5], target, row_scale, float(z_loss), float(softcap),
-                       float(temperature), grad_x, carry, None if previous is None else previous[:5], end == vocab, 0)
+        head = row_passes.STAT_ROWS  # grad_input reads the statistics without the entropy's row
+        ops.grad_input(e, piece_max, weight, first, stats[:head], target, row_scale, float(z_loss), float(softcap),
+                       float(temperature), grad_x, carry, None if previous is None else previous[:head], end == vocab, 0)
     return stats
 
 
